@@ -1,0 +1,49 @@
+"""One entry point, `moelab`, with a subcommand per part of the pipeline.
+
+Each part owns its arguments in a small `cli` module with a `register(subparsers)`
+function; those modules import nothing heavy at the top, so `moelab --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from moelab.config import ConfigError
+from moelab.errors import UserError
+
+PARTS = [
+    "moelab.data.cli",
+    "moelab.train.cli",
+    "moelab.ladder.cli",
+    "moelab.lab.cli",
+    "moelab.export.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moelab", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in PARTS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+            continue  # a part not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, UserError, FileNotFoundError) as err:
+        print(f"moelab {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

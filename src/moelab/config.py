@@ -1,0 +1,328 @@
+"""Typed, frozen configs for every part of moelab, loaded from YAML and validated up front.
+
+One flat-ish tree of dataclasses (MaxText style): every knob is declared once, with its
+meaning next to it. Loading checks unknown keys, types and impossible shapes *before*
+anything is compiled, and every error names the field and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot work; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder-only transformer."""
+
+    vocab_size: int = 4096  # must be >= the tokenizer's vocabulary
+    d_model: int = 128  # residual stream width
+    n_layers: int = 2
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 2  # key/value heads (GQA); must divide n_heads
+    head_dim: int = 0  # 0 means d_model // n_heads
+    d_ff: int = 256  # hidden width of each routed expert (SwiGLU)
+    n_dense_layers: int = 0  # the first layers use a dense SwiGLU instead of MoE
+    d_ff_dense: int = 0  # hidden width of dense layers; 0 means d_ff * top_k
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = True  # RMSNorm on queries and keys per head: the loss-spike fix
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routing and dispatch of the mixture-of-experts layers."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    normalize_top_k: bool = True  # renormalize the k selected weights to sum to 1
+    shared_expert: bool = False  # an always-on expert beside the routed ones
+    d_ff_shared: int = 0  # 0 means d_ff
+    dispatch: Literal["capacity", "pooled", "dropless"] = "dropless"
+    # capacity/pooled: each expert takes ceil(capacity_factor * group_tokens * top_k / n_experts)
+    capacity_factor: float = 1.25
+    pool_size: int = 0  # pooled: sequences per capacity pool; 0 means the whole (local) batch
+    # dropless: "auto" picks ragged_dot on GPU/TPU and padded block matmuls on CPU
+    dropless_impl: Literal["auto", "ragged", "blocked"] = "auto"
+    block_size: int = 64  # rows per block of the CPU dropless path
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Weights of the auxiliary terms added to next-token cross-entropy."""
+
+    aux_weight: float = 0.01  # Switch load-balancing loss
+    router_z_weight: float = 1e-3  # mean logsumexp(router_logits)^2
+    logit_z_weight: float = 1e-4  # mean logsumexp(output_logits)^2: keeps grad norm flat
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the prepared shards are and how batches are drawn from them."""
+
+    path: str = "runs/data/default"  # a directory written by `moelab data prepare`
+    seq_len: int = 128
+    batch_size: int = 8  # sequences per optimizer step (before accumulation splits it)
+    mixture: dict[str, float] = field(default_factory=dict)  # source -> weight; {} = by size
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with decoupled weight decay, an LR schedule and global-norm clipping."""
+
+    lr: float = 3e-3
+    schedule: Literal["wsd", "cosine", "constant"] = "wsd"
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # wsd: last fraction of steps decays linearly to min_lr
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    grad_accum: int = 1  # micro-batches per step; must divide data.batch_size
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Length of the run, its numerics, and how often it logs, evaluates and saves."""
+
+    steps: int = 200
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay f32
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    spike_window: int = 50  # steps in the rolling window of the spike detector
+    spike_threshold: float = 6.0  # robust z-score (median/MAD) that flags a spike
+    peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = a nominal figure per backend
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh: batch is split over data x expert, experts over expert."""
+
+    data: int = 1
+    expert: int = 1
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host set-up for jax.distributed; empty fields fall back to the environment."""
+
+    coordinator_address: str = ""  # host:port of process 0, or env MOELAB_COORDINATOR
+    num_processes: int = 0  # or env MOELAB_NUM_PROCESSES; 0/1 = single process
+    process_id: int = -1  # or env MOELAB_PROCESS_ID
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check `value` against a field's type annotation; ints widen to floats, nothing else."""
+    origin = typing.get_origin(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of fields, got {value!r}")
+        return _build(annotation, value, where)
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(allowed)}")
+        return value
+    if origin is dict:
+        key_type, value_type = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {
+            _coerce(k, key_type, f"{where} key"): _coerce(v, value_type, f"{where}.{k}")
+            for k, v in value.items()
+        }
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} matches none of {annotation}")
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is type(None):
+        if value is not None:
+            raise ConfigError(f"{where}: expected null, got {value!r}")
+        return value
+    if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+        raise ConfigError(
+            f"{where}: expected {annotation.__name__}, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; valid keys are {sorted(names)}"
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a Config from a plain dict (e.g. parsed YAML)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {raw!r}")
+    config = _build(Config, raw, "")
+    validate(config)
+    return config
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Load a YAML config file, apply dotted overrides ({"train.steps": 10}), validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    for dotted, value in (overrides or {}).items():
+        set_dotted(raw, dotted, value)
+    return config_from_dict(raw)
+
+
+def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set raw["a"]["b"] = value for dotted = "a.b", creating sections as needed."""
+    *sections, leaf = dotted.split(".")
+    node = raw
+    for name in sections:
+        node = node.setdefault(name, {})
+    node[leaf] = value
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def replace(config: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of `config` with some fields of some sections changed, re-validated."""
+    raw = config_to_dict(config)
+    for name, fields_ in sections.items():
+        raw[name].update(fields_)
+    return config_from_dict(raw)
+
+
+def dump_config(config: Config) -> str:
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+# -------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+def _validate_positive(config: Config) -> None:
+    m, moe, d, o, t = config.model, config.moe, config.data, config.optim, config.train
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model,
+        "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
+        "model.n_kv_heads": m.n_kv_heads, "model.d_ff": m.d_ff,
+        "moe.n_experts": moe.n_experts, "moe.top_k": moe.top_k,
+        "moe.block_size": moe.block_size, "data.seq_len": d.seq_len,
+        "data.batch_size": d.batch_size, "optim.grad_accum": o.grad_accum,
+        "train.steps": t.steps, "train.log_every": t.log_every,
+        "train.eval_every": t.eval_every, "train.checkpoint_every": t.checkpoint_every,
+        "train.keep_checkpoints": t.keep_checkpoints, "train.spike_window": t.spike_window,
+        "mesh.data": config.mesh.data, "mesh.expert": config.mesh.expert,
+    }
+    for name, value in positive.items():
+        _require(value > 0, name, f"must be > 0, got {value}")
+    _require(moe.capacity_factor > 0, "moe.capacity_factor", "must be > 0")
+    _require(o.lr > 0, "optim.lr", "must be > 0")
+    _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+
+
+def validate(config: Config) -> None:
+    """Raise ConfigError for shapes and combinations that cannot work."""
+    _validate_positive(config)
+    m, moe, d = config.model, config.moe, config.data
+    _require(m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.d_model",
+             f"{m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+             "change one of them or set model.head_dim")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+             f"{m.n_kv_heads} must divide model.n_heads={m.n_heads} for grouped-query attention")
+    _require(m.resolved_head_dim % 2 == 0, "model.head_dim",
+             f"head dim {m.resolved_head_dim} must be even for RoPE")
+    _require(0 <= m.n_dense_layers <= m.n_layers, "model.n_dense_layers",
+             f"must be between 0 and model.n_layers={m.n_layers}")
+    _require(moe.top_k <= moe.n_experts, "moe.top_k",
+             f"{moe.top_k} exceeds moe.n_experts={moe.n_experts}")
+    _require(moe.pool_size >= 0, "moe.pool_size", "must be >= 0 (0 = whole batch)")
+    _require(moe.pool_size == 0 or d.batch_size % moe.pool_size == 0, "moe.pool_size",
+             f"{moe.pool_size} must divide data.batch_size={d.batch_size}")
+    _require(d.batch_size % config.optim.grad_accum == 0, "optim.grad_accum",
+             f"{config.optim.grad_accum} must divide data.batch_size={d.batch_size}")
+    for source, weight in d.mixture.items():
+        _require(weight >= 0, f"data.mixture.{source}", f"weight must be >= 0, got {weight}")
+    _require(not d.mixture or sum(d.mixture.values()) > 0, "data.mixture",
+             "weights must not all be zero")
+    _validate_mesh(config)
+
+
+def _validate_mesh(config: Config) -> None:
+    mesh, moe, d = config.mesh, config.moe, config.data
+    _require(moe.n_experts % mesh.expert == 0, "mesh.expert",
+             f"{mesh.expert} must divide moe.n_experts={moe.n_experts}")
+    shards = mesh.data * mesh.expert
+    micro = d.batch_size // config.optim.grad_accum
+    _require(micro % shards == 0, "data.batch_size",
+             f"the micro-batch of {micro} sequences must split evenly over "
+             f"mesh.data x mesh.expert = {shards} devices")
+    if moe.dispatch == "pooled" and moe.pool_size and shards > 1:
+        local = micro // shards
+        _require(local % moe.pool_size == 0, "moe.pool_size",
+                 f"{moe.pool_size} must divide the per-device batch of {local} sequences")
+
+
+def capacity(group_tokens: int, moe: MoEConfig) -> int:
+    """Slots per expert per group: ceil(capacity_factor * tokens * top_k / n_experts)."""
+    return max(1, math.ceil(moe.capacity_factor * group_tokens * moe.top_k / moe.n_experts))
