@@ -1,0 +1,73 @@
+"""`moelab lab ...` end to end through the real entry point (with only the lab part loaded,
+so other parts' work in progress cannot break these tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moelab import cli
+from moelab.lab.store import Store
+
+
+@pytest.fixture
+def moelab(monkeypatch, capsys, tmp_path):
+    """Run `moelab lab --lab <tmp> ARGS...`; returns (exit code, stdout, stderr)."""
+    monkeypatch.setattr(cli, "PARTS", ["moelab.lab.cli"])
+    monkeypatch.chdir(tmp_path)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = cli.main(["lab", "--lab", str(tmp_path / "lab.sqlite"), *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture
+def config(tmp_path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text("train:\n  steps: 20\nmoe:\n  n_experts: 4\n")
+    return path
+
+
+def test_new_list_show_finish_report(moelab, config, tmp_path):
+    code, out, _ = moelab("new", "qk-norm", "--hypothesis", "no spikes", "--config", str(config))
+    exp_id = out.strip()
+    assert (code, exp_id) == (0, "exp-1")
+    with Store(tmp_path / "lab.sqlite") as store:
+        experiment = store.get_experiment(exp_id)
+        assert experiment.config == {"train": {"steps": 20}, "moe": {"n_experts": 4}}
+        assert experiment.status == "planned"
+        run_id = store.start_run(exp_id, "runs/q", {})
+        store.log_metrics(run_id, 0, {"loss": 5.0})
+        store.log_metrics(run_id, 1, {"loss": 4.0})
+        store.finish_run(run_id, "failed", "OOM at step 2")
+    assert moelab("list")[1].split() == ["exp-1", "running", "1", "runs", "qk-norm"]
+    assert "| run-1 | failed | 1 | 4 | runs/q | OOM at step 2 |" in moelab("show", exp_id)[1]
+    assert moelab("finish", exp_id, "--status", "failed", "--outcome", "OOM")[0] == 0
+    code, out, _ = moelab("report", exp_id)
+    assert code == 0
+    assert {Path(line).name for line in out.split()} == {"report.html", "summary.md", "loss.png"}
+    assert (tmp_path / "runs/reports/exp-1/report.html").is_file()
+
+
+def test_read_commands_on_missing_lab_exit_2_with_the_fix(moelab):
+    for argv in (["list"], ["show", "exp-1"], ["report", "exp-1"], ["serve", "--port", "0"]):
+        code, _, err = moelab(*argv)
+        assert code == 2
+        assert "no lab database at" in err and "moelab lab new" in err
+
+
+def test_bad_input_is_one_line_and_exit_2(moelab, config, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("moe:\n  top_k: 9\n")
+    code, _, err = moelab("new", "x", "--hypothesis", "h", "--config", str(bad))
+    assert code == 2 and "moe.top_k" in err and len(err.strip().splitlines()) == 1
+    moelab("new", "x", "--hypothesis", "h", "--config", str(config))
+    code, _, err = moelab("finish", "exp-1", "--status", "succeeded", "--outcome", "fine")
+    assert code == 2 and "is planned and cannot become succeeded" in err
+    (tmp_path / "lab.sqlite").write_bytes(b"garbage" * 1000)
+    code, _, err = moelab("list")
+    assert code == 2 and "not a readable moelab lab database" in err
