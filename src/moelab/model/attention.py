@@ -1,0 +1,81 @@
+"""Grouped-query causal self-attention with QK-norm and rotary embeddings.
+
+QK-norm (an RMSNorm over each head's queries and keys before RoPE) bounds attention
+logits; it was the key fix for loss spikes in large open runs.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from moelab.config import ModelConfig
+from moelab.model.layers import RMSNorm, apply_rope, normal
+
+
+class KVCache(eqx.Module):
+    """Keys and values of the positions decoded so far, for incremental generation."""
+
+    k: Float[Array, "B T KV K"]
+    v: Float[Array, "B T KV K"]
+
+
+class Attention(eqx.Module):
+    wq: Float[Array, "D HK"]
+    wk: Float[Array, "D GK"]
+    wv: Float[Array, "D GK"]
+    wo: Float[Array, "HK D"]
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+
+    def __init__(self, cfg: ModelConfig, key: PRNGKeyArray):
+        hd, h, kv = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
+        kq, kk, kvk, ko = jax.random.split(key, 4)
+        self.wq = normal(kq, (cfg.d_model, h * hd), cfg.init_std)
+        self.wk = normal(kk, (cfg.d_model, kv * hd), cfg.init_std)
+        self.wv = normal(kvk, (cfg.d_model, kv * hd), cfg.init_std)
+        self.wo = normal(ko, (h * hd, cfg.d_model), cfg.init_std)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
+
+    def __call__(
+        self,
+        x: Float[Array, "B S D"],
+        cos: Array,
+        sin: Array,
+        cache: KVCache | None = None,
+        cache_index: Array | int = 0,
+    ) -> tuple[Float[Array, "B S D"], KVCache | None]:
+        """Attend causally; with a cache, x holds new positions starting at cache_index."""
+        b, s, _ = x.shape
+        q = (x @ self.wq).reshape(b, s, self.n_heads, self.head_dim)
+        k = (x @ self.wk).reshape(b, s, self.n_kv_heads, self.head_dim)
+        v = (x @ self.wv).reshape(b, s, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_pos = jnp.arange(s) + cache_index
+        if cache is not None:
+            write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
+                old, new.astype(old.dtype), cache_index, 1)
+            k, v = write(cache.k, k), write(cache.v, v)
+            cache = KVCache(k, v)
+        mask = q_pos[:, None] >= jnp.arange(k.shape[1])[None, :]  # [S, T] causal
+        out = self._attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+        return out.reshape(b, s, -1) @ self.wo, cache
+
+    def _attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
+        """softmax(q k^T / sqrt(d)) v, with query heads grouped over shared kv heads."""
+        b, s, _, hd = q.shape
+        groups = self.n_heads // self.n_kv_heads
+        q = q.reshape(b, s, self.n_kv_heads, groups, hd)  # query head = kv_head * groups + g
+        logits = jnp.einsum("bsngk,btnk->bngst", q, k).astype(jnp.float32) / jnp.sqrt(hd)
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        return jnp.einsum("bngst,btnk->bsngk", probs, v)

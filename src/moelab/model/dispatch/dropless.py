@@ -1,0 +1,91 @@
+"""Dropless dispatch: sort assignments by expert and run grouped matmuls; nothing is dropped.
+
+Two kernels compute the same numbers:
+  * `ragged`: `jax.lax.ragged_dot`, a true grouped GEMM on GPU/TPU. On XLA:CPU it lowers
+    to a dense masked product over every expert (measured: 58 ms vs 8 ms for the
+    capacity-shaped einsum at 4096 tokens, 8 experts, 256->512), so CPU does not use it.
+  * `blocked`: pad each expert's run of sorted rows to a multiple of `block_size`, then
+    one batched matmul over blocks, each block with its expert's weights. The number of
+    blocks has a static bound, ceil(A / block) + E for A assignments, so shapes are fixed.
+`auto` picks ragged on GPU/TPU and blocked on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from moelab.config import MoEConfig
+from moelab.model.dispatch.experts import Experts
+from moelab.model.router import Routing
+
+
+class Sorted(eqx.Module):
+    """Assignments sorted by expert: row i of the sorted order is assignment order[i]."""
+
+    order: Int[Array, " A"]  # assignment index (token * K + choice) at each sorted position
+    expert: Int[Array, " A"]  # expert of each sorted row (non-decreasing)
+    group_sizes: Int[Array, " E"]  # rows per expert
+
+
+def sort_by_expert(experts: Int[Array, "T K"], n_experts: int) -> Sorted:
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    return Sorted(order=order, expert=flat[order], group_sizes=sizes)
+
+
+def ragged_experts(rows: Float[Array, "A D"], s: Sorted, experts: Experts) -> Array:
+    """Grouped SwiGLU with jax.lax.ragged_dot (rows sorted by expert)."""
+    gate = jax.lax.ragged_dot(rows, experts.w_gate, s.group_sizes)
+    up = jax.lax.ragged_dot(rows, experts.w_up, s.group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts.w_down, s.group_sizes)
+
+
+def blocked_experts(
+    rows: Float[Array, "A D"], s: Sorted, experts: Experts, block: int
+) -> Float[Array, "A D"]:
+    """Grouped SwiGLU as padded block matmuls: efficient on CPU, same math as ragged."""
+    n_rows, n_experts = rows.shape[0], experts.n_experts
+    n_blocks = math.ceil(n_rows / block) + n_experts
+    padded = -(-s.group_sizes // block) * block  # each expert's rows rounded up to blocks
+    padded_start = jnp.cumsum(padded) - padded
+    start = jnp.cumsum(s.group_sizes) - s.group_sizes
+    dest = padded_start[s.expert] + jnp.arange(n_rows) - start[s.expert]  # row -> padded row
+    blocks = jnp.zeros((n_blocks * block, rows.shape[1]), rows.dtype).at[dest].add(rows)
+    block_expert = jnp.searchsorted(padded_start + padded, jnp.arange(n_blocks) * block,
+                                    side="right")
+    block_expert = jnp.minimum(block_expert, n_experts - 1)  # spare blocks: zero rows
+    out = experts.take(block_expert)(blocks.reshape(n_blocks, block, -1))
+    return out.reshape(n_blocks * block, -1)[dest]
+
+
+def use_ragged(moe: MoEConfig) -> bool:
+    if moe.dropless_impl == "auto":
+        return jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+    return moe.dropless_impl == "ragged"
+
+
+def grouped_experts(rows: Array, s: Sorted, experts: Experts, moe: MoEConfig) -> Array:
+    if use_ragged(moe):
+        return ragged_experts(rows, s, experts)
+    return blocked_experts(rows, s, experts, moe.block_size)
+
+
+def dropless_dispatch(
+    x: Float[Array, "B S D"], routing: Routing, experts: Experts, moe: MoEConfig
+) -> tuple[Float[Array, "B S D"], Array]:
+    """Every assignment is computed: y[t] = sum_k w[t, k] * expert_{e[t, k]}(x[t])."""
+    b, s_len, d = x.shape
+    tokens = x.reshape(-1, d)
+    k = routing.experts.shape[-1]
+    s = sort_by_expert(routing.experts.reshape(-1, k), moe.n_experts)
+    rows = tokens[s.order // k]
+    out_sorted = grouped_experts(rows, s, experts, moe)
+    out = jnp.zeros_like(out_sorted).at[s.order].set(out_sorted).reshape(-1, k, d)
+    y = jnp.einsum("tk,tkd->td", routing.weights.reshape(-1, k).astype(x.dtype), out)
+    return y.reshape(b, s_len, d), jnp.zeros((), jnp.int32)

@@ -1,0 +1,65 @@
+"""Small building blocks: RMSNorm, rotary position embeddings, the SwiGLU feed-forward.
+
+Conventions follow Qwen3 / Llama (rotate-half RoPE, weight-scaled RMSNorm) so that a
+trained model exports to Hugging Face `transformers` without re-deriving any math.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+
+def normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float) -> Array:
+    return std * jax.random.normal(key, shape, dtype=jnp.float32)
+
+
+class RMSNorm(eqx.Module):
+    """x / rms(x) * weight, computed in float32 whatever the compute dtype."""
+
+    weight: Float[Array, " D"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float):
+        self.weight = jnp.ones((dim,), jnp.float32)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.weight).astype(x.dtype)
+
+
+def rope_angles(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos and sin of shape [*positions.shape, head_dim] for rotate-half RoPE."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Float[Array, "B S H K"], cos: Array, sin: Array) -> Float[Array, "B S H K"]:
+    """Rotate each (x1, x2) half-pair of a head by its position's angle."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+class SwiGLU(eqx.Module):
+    """Dense feed-forward: down(silu(x @ gate) * (x @ up))."""
+
+    w_gate: Float[Array, "D F"]
+    w_up: Float[Array, "D F"]
+    w_down: Float[Array, "F D"]
+
+    def __init__(self, d_model: int, d_ff: int, std: float, key: PRNGKeyArray):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.w_gate = normal(k1, (d_model, d_ff), std)
+        self.w_up = normal(k2, (d_model, d_ff), std)
+        self.w_down = normal(k3, (d_ff, d_model), std)
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        return (jax.nn.silu(x @ self.w_gate) * (x @ self.w_up)) @ self.w_down

@@ -1,0 +1,59 @@
+"""The mixture-of-experts feed-forward: route, dispatch to experts, combine, add shared.
+
+    y = sum_k w_k(x) * expert_{e_k(x)}(x)  [+ shared(x)]
+
+How tokens reach their experts (capacity, pooled, dropless, or an expert-parallel
+exchange) is the `dispatch` function; this module only states the math around it.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from moelab.config import ModelConfig, MoEConfig
+from moelab.model.dispatch import Dispatch, Experts, get_dispatch
+from moelab.model.layers import SwiGLU, normal
+from moelab.model.router import route
+
+
+class MoEStats(eqx.Module):
+    """Per-layer routing statistics, logged every step."""
+
+    aux_loss: Float[Array, ""]
+    router_z: Float[Array, ""]
+    drop_frac: Float[Array, ""]  # fraction of token-assignments dropped by capacity
+    tokens_per_expert: Float[Array, " E"]
+
+
+class MoE(eqx.Module):
+    router: Float[Array, "D E"]
+    experts: Experts
+    shared: SwiGLU | None
+    moe: MoEConfig = eqx.field(static=True)
+    dispatch: Dispatch = eqx.field(static=True)
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, key: PRNGKeyArray):
+        kr, ke, ks = jax.random.split(key, 3)
+        self.router = normal(kr, (cfg.d_model, moe.n_experts), cfg.init_std)
+        self.experts = Experts(moe.n_experts, cfg.d_model, cfg.d_ff, cfg.init_std, ke)
+        d_shared = moe.d_ff_shared or cfg.d_ff
+        self.shared = SwiGLU(cfg.d_model, d_shared, cfg.init_std, ks) if moe.shared_expert else None
+        self.moe = moe
+        self.dispatch = get_dispatch(moe)
+
+    def __call__(self, x: Float[Array, "B S D"]) -> tuple[Float[Array, "B S D"], MoEStats]:
+        logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router.astype(jnp.float32))
+        routing, router_stats = route(logits, self.moe)
+        y, dropped = self.dispatch(x, routing, self.experts, self.moe)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        stats = MoEStats(
+            aux_loss=router_stats.aux_loss,
+            router_z=router_stats.router_z,
+            drop_frac=dropped / routing.experts.size,
+            tokens_per_expert=router_stats.tokens_per_expert,
+        )
+        return y, stats

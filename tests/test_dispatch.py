@@ -1,0 +1,137 @@
+"""Dispatch modes against a plain per-expert reference loop, and capacity drop counts."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moelab.config import MoEConfig
+from moelab.model.dispatch import DISPATCHES, Experts
+from moelab.model.router import Routing, route
+
+
+def reference_moe(x, routing, experts):
+    """Loop over tokens and their k choices in numpy: the definition of the MoE output."""
+    x, idx, w = np.asarray(x), np.asarray(routing.experts), np.asarray(routing.weights)
+    wg, wu, wd = (np.asarray(a, np.float64) for a in (experts.w_gate, experts.w_up, experts.w_down))
+    out = np.zeros(x.shape, np.float64)
+    for b, s in np.ndindex(x.shape[:2]):
+        for k in range(idx.shape[-1]):
+            e = idx[b, s, k]
+            gate, up = x[b, s] @ wg[e], x[b, s] @ wu[e]
+            out[b, s] += w[b, s, k] * ((gate / (1 + np.exp(-gate)) * up) @ wd[e])
+    return out
+
+
+def random_problem(seed, batch, seq, d, f, n_experts, top_k, router="softmax"):
+    """Inputs, routing and experts made under jit (eager ops compile once per shape: slow)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(batch, seq, d)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(batch, seq, n_experts)) * 2, jnp.float32)
+    moe = MoEConfig(n_experts=n_experts, top_k=top_k, router=router)
+    routing, _ = jax.jit(route, static_argnums=1)(logits, moe)
+    make = jax.jit(lambda key: Experts(n_experts, d, f, 0.3, key))
+    return x, routing, make(jax.random.key(seed)), moe
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 24),
+    n_experts=st.sampled_from([1, 2, 4, 8]),
+    top_k=st.integers(1, 3),
+    block=st.sampled_from([1, 4, 16]),
+    impl=st.sampled_from(["blocked", "ragged"]),
+    router=st.sampled_from(["softmax", "sigmoid"]),
+)
+def test_dropless_matches_reference(seed, batch, seq, n_experts, top_k, block, impl, router):
+    top_k = min(top_k, n_experts)
+    x, routing, experts, moe = random_problem(seed, batch, seq, 8, 12, n_experts, top_k, router)
+    moe = MoEConfig(n_experts=n_experts, top_k=top_k, dispatch="dropless",
+                    dropless_impl=impl, block_size=block)
+    y, dropped = jax.jit(DISPATCHES["dropless"], static_argnums=3)(x, routing, experts, moe)
+    assert int(dropped) == 0
+    np.testing.assert_allclose(np.asarray(y), reference_moe(x, routing, experts), atol=1e-5)
+
+
+def test_ragged_and_blocked_agree_including_gradients():
+    x, routing, experts, _ = random_problem(3, 2, 32, 16, 24, 8, 2)
+
+    def loss(experts, x, impl):
+        moe = MoEConfig(n_experts=8, top_k=2, dispatch="dropless", dropless_impl=impl,
+                        block_size=8)
+        y, _ = DISPATCHES["dropless"](x, routing, experts, moe)
+        return jnp.sum(jnp.sin(y))
+
+    (va, ga) = jax.value_and_grad(loss, argnums=(0, 1))(experts, x, "ragged")
+    (vb, gb) = jax.value_and_grad(loss, argnums=(0, 1))(experts, x, "blocked")
+    np.testing.assert_allclose(va, vb, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["capacity", "pooled"])
+def test_large_capacity_drops_nothing_and_equals_dropless(mode):
+    x, routing, experts, _ = random_problem(7, 4, 16, 8, 12, 4, 2)
+    big = MoEConfig(n_experts=4, top_k=2, dispatch=mode, capacity_factor=4.0, pool_size=2)
+    y, dropped = DISPATCHES[mode](x, routing, experts, big)
+    y_ref, _ = DISPATCHES["dropless"](x, routing, experts, MoEConfig(n_experts=4, top_k=2))
+    assert int(dropped) == 0
+    np.testing.assert_allclose(y, y_ref, atol=1e-5)
+
+
+def skewed_routing(batch, seq, n_experts, hot_share):
+    """top-1 routing where the first `hot_share` of each sequence picks expert 0."""
+    hot = int(seq * hot_share)
+    experts = np.tile(np.arange(seq) % n_experts, (batch, 1))
+    experts[:, :hot] = 0
+    return Routing(jnp.asarray(experts[..., None]), jnp.ones((batch, seq, 1)))
+
+
+def expected_drops(experts, n_experts, cap):
+    """Hand count: per group, an expert keeps its first `cap` assignments."""
+    drops = 0
+    for group in experts:
+        counts = np.bincount(group.reshape(-1), minlength=n_experts)
+        drops += np.maximum(counts - cap, 0).sum()
+    return drops
+
+
+def test_skewed_router_drops_exactly_the_overflow():
+    batch, seq, n_experts, cf = 4, 32, 4, 1.0
+    routing = skewed_routing(batch, seq, n_experts, hot_share=0.5)
+    x = jax.random.normal(jax.random.key(0), (batch, seq, 8))
+    experts = Experts(n_experts, 8, 8, 0.3, jax.random.key(1))
+    moe = MoEConfig(n_experts=n_experts, top_k=1, dispatch="capacity", capacity_factor=cf)
+    y, dropped = DISPATCHES["capacity"](x, routing, experts, moe)
+    cap = math.ceil(cf * seq * 1 / n_experts)
+    idx = np.asarray(routing.experts)
+    assert int(dropped) == expected_drops(idx, n_experts, cap) == batch * (16 + 4 - cap)
+    # A dropped token's expert output is exactly zero; a kept one's is not.
+    out = np.asarray(y)
+    zero_rows = np.all(out == 0, axis=-1)
+    kept_rank = np.array([[np.sum(idx[b, :s, 0] == idx[b, s, 0]) for s in range(seq)]
+                          for b in range(batch)])
+    np.testing.assert_array_equal(zero_rows, kept_rank >= cap)
+
+
+def test_pooling_drops_fewer_than_per_sequence_capacity():
+    # Sequence b routes mostly to expert b: per-sequence capacity overflows, the pool does not.
+    batch, seq, n_experts = 4, 16, 4
+    experts = np.tile(np.arange(seq) % n_experts, (batch, 1))
+    for b in range(batch):
+        experts[b, : seq // 2] = b
+    routing = Routing(jnp.asarray(experts[..., None]), jnp.ones((batch, seq, 1)))
+    x = jnp.ones((batch, seq, 8))
+    ex = Experts(n_experts, 8, 8, 0.3, jax.random.key(1))
+    per_seq = MoEConfig(n_experts=4, top_k=1, dispatch="capacity", capacity_factor=1.0)
+    pooled = MoEConfig(n_experts=4, top_k=1, dispatch="pooled", capacity_factor=1.0)
+    _, d_seq = DISPATCHES["capacity"](x, routing, ex, per_seq)
+    _, d_pool = DISPATCHES["pooled"](x, routing, ex, pooled)
+    assert int(d_seq) == expected_drops(experts[..., None], 4, 4) == 24
+    assert int(d_pool) == expected_drops(experts.reshape(1, -1, 1), 4, 16) == 0
