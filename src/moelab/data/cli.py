@@ -1,0 +1,69 @@
+"""`moelab data prepare` and `moelab data stats`; heavy imports wait for the handlers."""
+
+from __future__ import annotations
+
+import argparse
+
+from moelab.errors import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    data = subparsers.add_parser("data", help="build and inspect token datasets")
+    commands = data.add_subparsers(dest="data_command", required=True)
+
+    prepare = commands.add_parser(
+        "prepare", help="ingest, deduplicate, train a tokenizer and write token shards"
+    )
+    prepare.add_argument("--out", required=True, help="dataset directory to write")
+    prepare.add_argument(
+        "--source", action="append", default=[], metavar="NAME=GLOB",
+        help="files of one source; repeat for more sources or more globs of one source, "
+        "'!GLOB' excludes (default: stdlib code and /usr/share docs prose)",
+    )
+    prepare.add_argument("--vocab-size", type=int, default=4096)
+    prepare.add_argument("--near-dup-threshold", type=float, default=0.8,
+                         help="MinHash Jaccard at or above which a document is a near dup")
+    prepare.add_argument("--val-fraction", type=float, default=0.05)
+    prepare.add_argument("--min-chars", type=int, default=200,
+                         help="shorter documents are dropped as too_short")
+    prepare.add_argument("--max-docs", type=int, default=None,
+                         help="documents per source at most (a reproducible sample)")
+    prepare.add_argument("--workers", type=int, default=None,
+                         help="ingest processes (default: one per CPU)")
+    prepare.add_argument("--ray", action="store_true", help="map documents with Ray Data")
+    prepare.set_defaults(func=run_prepare)
+
+    stats = commands.add_parser("stats", help="documents per source and filter, tokens")
+    stats.add_argument("dir", help="a dataset directory written by `moelab data prepare`")
+    stats.set_defaults(func=run_stats)
+
+
+def parse_sources(specs: list[str]) -> dict[str, list[str]] | None:
+    """["code=a/*.py", "code=!a/t/*", "prose=*.txt"] -> {"code": [...], "prose": [...]}."""
+    sources: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, pattern = spec.partition("=")
+        if not (sep and name and pattern):
+            raise UserError(f"--source expects NAME=GLOB, got {spec!r}")
+        sources.setdefault(name, []).append(pattern)
+    return sources or None
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from moelab.data.prepare import prepare
+
+    prepare(args.out, parse_sources(args.source), vocab_size=args.vocab_size,
+            near_dup_threshold=args.near_dup_threshold, val_fraction=args.val_fraction,
+            min_chars=args.min_chars, max_docs_per_source=args.max_docs,
+            workers=args.workers, use_ray=args.ray)
+    return run_stats(argparse.Namespace(dir=args.out))
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from moelab.data.loader import read_meta
+    from moelab.data.provenance import read_manifest, stats_table
+
+    meta = read_meta(args.dir)
+    print(stats_table(read_manifest(args.dir), meta))
+    print(f"vocab_size {meta['vocab_size']}  eos_id {meta['eos_id']}")
+    return 0

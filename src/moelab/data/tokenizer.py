@@ -1,0 +1,41 @@
+"""Byte-level BPE tokenizer, trained on the train split with Hugging Face `tokenizers`.
+
+Byte-level means every input, whatever its script or stray bytes, encodes losslessly
+with no unknown token; the Rust trainer and batch encoder keep both steps to seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from moelab.errors import UserError
+
+EOS = "<|endoftext|>"  # ends every document in the packed token streams
+TOKENIZER_FILE = "tokenizer.json"
+MIN_VOCAB = 257  # the 256 byte symbols and EOS
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A new byte-level BPE tokenizer with at most vocab_size (>= MIN_VOCAB) tokens,
+    EOS included; fewer when the texts hold fewer merges."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def load_tokenizer(data_dir: str | Path) -> Tokenizer:
+    """The tokenizer a prepared dataset was tokenized with."""
+    path = Path(data_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise UserError(f"{path} is missing; run `moelab data prepare --out {data_dir}`")
+    return Tokenizer.from_file(str(path))

@@ -1,0 +1,293 @@
+"""prepare, the manifest, the loader and the CLI, on small corpora made in tmp_path."""
+
+import gzip
+import json
+import random
+import sys
+import types
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moelab.cli import main
+from moelab.data import prepare as prepare_module
+from moelab.data.ingest import Document, map_documents, process_document
+from moelab.data.loader import Loader, read_meta
+from moelab.data.prepare import ensure_default_corpus, prepare
+from moelab.data.provenance import read_manifest
+from moelab.data.shards import atomic_write, shard_path
+from moelab.data.tokenizer import EOS, load_tokenizer
+from moelab.errors import UserError
+
+SMALL = {"vocab_size": 320, "workers": 1, "min_chars": 50}
+
+
+def words_text(rng: random.Random, n_words: int) -> str:
+    """Text of made-up words: distinct documents share almost no 5-word windows."""
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 7)))
+             for _ in range(n_words)]
+    return "\n".join(" ".join(words[i : i + 12]) for i in range(0, n_words, 12))
+
+
+def write_corpus(root: Path, name: str, n_docs: int, n_words: int, seed: int) -> str:
+    """n_docs files under root/name; returns their glob."""
+    rng = random.Random(seed)
+    (root / name).mkdir(parents=True)
+    for i in range(n_docs):
+        (root / name / f"doc{i:03d}.txt").write_text(words_text(rng, n_words))
+    return str(root / name / "*.txt")
+
+
+def records_by_name(data_dir: Path) -> dict[str, dict]:
+    return {Path(r["path"]).name: r for r in read_manifest(data_dir)}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """Two sources of unequal size, prepared once for the loader tests."""
+    root = tmp_path_factory.mktemp("corpus")
+    sources = {"code": write_corpus(root, "code", 30, 400, seed=1),
+               "prose": write_corpus(root, "prose", 20, 250, seed=2)}
+    prepare(root / "data", sources, val_fraction=0.2, **SMALL)
+    return root / "data"
+
+
+# ------------------------------------------------------------------------ prepare
+
+
+def test_exact_and_near_duplicates_are_dropped_and_name_the_original(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    original = words_text(random.Random(0), 300)
+    near = original.split()
+    near[100] = "changed"
+    (src / "a.txt").write_text(original)
+    (src / "b.txt").write_bytes(original.replace("\n", "\r\n").encode())  # same once normalized
+    (src / "c.txt").write_text(" ".join(near))  # one word of 300 differs
+    (src / "d.txt").write_text(words_text(random.Random(1), 300))
+    prepare(tmp_path / "data", {"docs": str(src / "*.txt")}, **SMALL)
+    records = records_by_name(tmp_path / "data")
+    assert records["a.txt"]["status"] == records["d.txt"]["status"] == "kept"
+    assert records["b.txt"]["reason"] == f"exact_dup_of:{src / 'a.txt'}"
+    assert records["c.txt"]["reason"] == f"near_dup_of:{src / 'a.txt'}"
+    assert records["b.txt"]["sha256"] == records["a.txt"]["sha256"]
+    assert {records[n]["status"] for n in ("b.txt", "c.txt")} == {"dropped"}
+
+
+def test_near_dup_threshold_is_honoured(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    words = words_text(random.Random(0), 300).split()
+    (src / "a.txt").write_text(" ".join(words))
+    (src / "b.txt").write_text(" ".join(words[:200] + ["x"] * 100))  # Jaccard about 0.6
+    prepare(tmp_path / "strict", {"docs": str(src / "*.txt")}, near_dup_threshold=0.9, **SMALL)
+    assert records_by_name(tmp_path / "strict")["b.txt"]["status"] == "kept"
+    prepare(tmp_path / "loose", {"docs": str(src / "*.txt")}, near_dup_threshold=0.4, **SMALL)
+    assert records_by_name(tmp_path / "loose")["b.txt"]["reason"].startswith("near_dup_of:")
+
+
+def test_bad_files_are_dropped_with_their_reason(tmp_path):
+    src = tmp_path / "src"
+    write_corpus(tmp_path, "src", 3, 200, seed=0)
+    (src / "binary.txt").write_bytes(b"\x7fELF\x00\x00" + b"x" * 200)
+    (src / "latin1.txt").write_bytes("Ünïcödé façade café ".encode("latin-1") * 20)
+    (src / "one_bad_byte.txt").write_bytes(b"caf\xe9 " + b"fine ascii words " * 20)
+    (src / "short.txt").write_text("too short")
+    (src / "broken.txt").symlink_to(src / "missing")
+    (src / "corrupt.txt.gz").write_bytes(b"not gzip at all")
+    (src / "zipped.txt.gz").write_bytes(gzip.compress(words_text(random.Random(9), 99).encode()))
+    prepare(tmp_path / "data", {"docs": [str(src / "*.txt"), str(src / "*.gz")]}, **SMALL)
+    reasons = {name: r["reason"] for name, r in records_by_name(tmp_path / "data").items()}
+    assert reasons["binary.txt"] == "binary"
+    assert reasons["latin1.txt"] == "not_utf8"
+    assert reasons["one_bad_byte.txt"] == "utf8_replaced:1"  # kept, with the repair noted
+    assert reasons["short.txt"] == "too_short"
+    assert reasons["broken.txt"] == "unreadable:No such file or directory"
+    assert reasons["corrupt.txt.gz"].startswith("unreadable:")
+    assert reasons["zipped.txt.gz"] == ""
+    assert read_meta(tmp_path / "data")["documents"]["docs"]["kept"] == 5
+
+
+def test_empty_sources_raise_a_clear_user_error(tmp_path):
+    with pytest.raises(UserError, match=r"source 'none': no files match"):
+        prepare(tmp_path / "a", {"none": str(tmp_path / "*.nothing")}, **SMALL)
+    (tmp_path / "tiny.txt").write_text("hi")
+    with pytest.raises(UserError, match=r"source 'tiny': none of its 1 files.*too_short"):
+        prepare(tmp_path / "b", {"tiny": str(tmp_path / "tiny.txt")}, **SMALL)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("bad", [{"vocab_size": 100}, {"near_dup_threshold": 1.0},
+                                 {"val_fraction": 1.0}, {"min_chars": 0}])
+def test_impossible_settings_raise_before_any_work(tmp_path, bad):
+    with pytest.raises(UserError, match="must be"):
+        prepare(tmp_path / "data", {"docs": str(tmp_path / "*.nothing")}, **{**SMALL, **bad})
+
+
+def test_failed_or_interrupted_prepare_never_leaves_a_complete_looking_dataset(
+    tmp_path, monkeypatch
+):
+    sources = {"docs": write_corpus(tmp_path, "src", 6, 200, seed=0)}
+    out = tmp_path / "data"
+    prepare(out, sources, **SMALL)
+    with pytest.raises(UserError):  # bad input fails before anything is written
+        prepare(out, {"docs": str(tmp_path / "*.nothing")}, **SMALL)
+    assert Loader(out, seq_len=8, batch_size=2).batch(0).shape == (2, 9)
+
+    real_write, written = prepare_module.write_array, []
+
+    def half_write(file):
+        file.write(b"half a shard")
+        raise KeyboardInterrupt
+
+    def write_then_crash(path, array):  # the second shard is cut off halfway
+        written.append(path)
+        if len(written) == 1:
+            real_write(path, array)
+        else:
+            atomic_write(path, half_write)
+
+    monkeypatch.setattr(prepare_module, "write_array", write_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(out, sources, **SMALL)
+    assert np.load(written[1]).dtype == np.uint16  # the old shard, whole
+    assert not (out / "meta.json").exists()
+    assert not list(out.glob(".*.tmp"))
+    with pytest.raises(UserError, match="not a prepared dataset"):
+        Loader(out)
+
+
+def test_tokenizer_round_trips_and_meta_describes_it(dataset):
+    tokenizer, meta = load_tokenizer(dataset), read_meta(dataset)
+    text = "def f(x):\n    return x ** 2  # ünïcode, emoji \U0001f600 and\ttabs"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+    assert meta["eos_id"] == tokenizer.token_to_id(EOS)
+    assert meta["vocab_size"] == tokenizer.get_vocab_size() <= SMALL["vocab_size"]
+    assert meta["sources"] == ["code", "prose"]
+
+
+def test_shards_pack_documents_with_eos_and_val_is_disjoint_from_train(dataset):
+    tokenizer, meta = load_tokenizer(dataset), read_meta(dataset)
+    records = read_manifest(dataset)
+    for source in meta["sources"]:
+        texts = {}
+        for split in ("train", "val"):
+            stream = np.load(shard_path(dataset, source, split))
+            assert stream[-1] == meta["eos_id"] and len(stream) == meta[f"{split}_tokens"][source]
+            ends = np.flatnonzero(stream == meta["eos_id"])
+            docs = np.split(stream, ends + 1)[:-1]
+            texts[split] = {tokenizer.decode(d[:-1].tolist()) for d in docs}
+            mine = [r for r in records if r["source"] == source and r["split"] == split]
+            assert len(ends) == len(mine) and sum(r["tokens"] for r in mine) == len(stream)
+        assert texts["train"] and texts["val"] and not texts["train"] & texts["val"]
+
+
+def test_parallel_and_ray_maps_give_the_serial_result(tmp_path, monkeypatch):
+    glob = write_corpus(tmp_path, "src", 64, 40, seed=3)
+    docs = [Document("docs", str(p)) for p in sorted(Path(glob).parent.glob("*.txt"))]
+    fn = partial(process_document, min_chars=10)
+    serial = map_documents(fn, docs, workers=1)
+
+    def fake_ray_from_items(rows):  # the slice of the Ray Data API that ingest uses
+        dataset = types.SimpleNamespace()
+        dataset.map = lambda f: types.SimpleNamespace(take_all=lambda: [f(r) for r in rows][::-1])
+        return dataset
+
+    fake_data = types.SimpleNamespace(from_items=fake_ray_from_items)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(data=fake_data))
+    monkeypatch.setitem(sys.modules, "ray.data", fake_data)
+    for result in (map_documents(fn, docs, workers=2), map_documents(fn, docs, use_ray=True)):
+        assert [d.manifest_record() for d in result] == [d.manifest_record() for d in serial]
+        for got, want in zip(result, serial, strict=True):
+            assert np.array_equal(got.signature, want.signature)
+
+
+# ------------------------------------------------------------------------- loader
+
+
+def test_batches_are_windows_of_the_packed_streams(dataset):
+    loader = Loader(dataset, seq_len=16, batch_size=4)
+    batch = loader.batch(3)
+    assert batch.shape == (4, 17) and batch.dtype == np.int32
+    streams = [np.load(shard_path(dataset, s, "train")) for s in loader.sources]
+    for row, source, window in zip(batch, *loader.plan(3), strict=True):
+        assert np.array_equal(row, streams[source][window * 16 : window * 16 + 17])
+    eos = read_meta(dataset)["eos_id"]
+    assert any((b == eos).any() for b in (loader.batch(s) for s in range(20)))
+
+
+@pytest.mark.parametrize("mixture", [{"code": 0.3, "prose": 0.7}, {"code": 1.0}, {}])
+def test_mixture_proportions_are_within_2_percent_over_10k_sequences(dataset, mixture):
+    loader = Loader(dataset, seq_len=16, batch_size=100, mixture=mixture, seed=7)
+    counts = Counter(i for step in range(100) for i in loader.plan(step)[0].tolist())
+    if mixture:
+        target = {s: mixture.get(s, 0.0) / sum(mixture.values()) for s in loader.sources}
+    else:
+        tokens = read_meta(dataset)["train_tokens"]
+        target = {s: tokens[s] / sum(tokens.values()) for s in loader.sources}
+    for i, source in enumerate(loader.sources):
+        assert abs(counts[i] / 10_000 - target[source]) < 0.02
+
+
+def test_loader_is_a_pure_function_of_seed_and_step(dataset):
+    a, b = Loader(dataset, seq_len=16, batch_size=4), Loader(dataset, seq_len=16, batch_size=4)
+    assert np.array_equal(a.batch(5), b.batch(5))
+    assert [next(a).tolist() for _ in range(3)] == [b.batch(s).tolist() for s in range(3)]
+    other_seed = Loader(dataset, seq_len=16, batch_size=4, seed=1)
+    assert not np.array_equal(other_seed.batch(5), b.batch(5))
+    val = [Loader(dataset, "val", seq_len=16, batch_size=4, seed=s).batch(0) for s in (0, 1)]
+    assert np.array_equal(*val)  # eval text does not depend on the run's seed
+
+
+def test_a_restored_loader_yields_the_uninterrupted_batches(dataset):
+    settings = {"seq_len": 16, "batch_size": 4, "mixture": {"code": 0.5, "prose": 0.5}}
+    uninterrupted = Loader(dataset, **settings)
+    for _ in range(7):
+        next(uninterrupted)
+    state = json.loads(json.dumps(uninterrupted.state_dict()))
+    restored = Loader(dataset, **settings)
+    restored.load_state_dict(state)
+    for _ in range(5):
+        assert np.array_equal(next(restored), next(uninterrupted))
+    with pytest.raises(UserError, match="seq_len: saved 16, now 32"):
+        Loader(dataset, **{**settings, "seq_len": 32}).load_state_dict(state)
+
+
+def test_mixture_naming_a_missing_source_raises(dataset):
+    with pytest.raises(UserError, match=r"\['web'\].*available sources: \['code', 'prose'\]"):
+        Loader(dataset, mixture={"code": 1.0, "web": 1.0})
+    with pytest.raises(UserError, match="fewer than seq_len"):
+        Loader(dataset, "val", seq_len=100_000)
+
+
+# ---------------------------------------------------------------------------- cli
+
+
+def test_cli_prepare_and_stats(tmp_path, capsys):
+    glob = write_corpus(tmp_path, "src", 5, 100, seed=4)
+    (tmp_path / "src" / "dup.txt").write_text((tmp_path / "src" / "doc000.txt").read_text())
+    out = str(tmp_path / "data")
+    args = ["data", "prepare", "--out", out, "--source", f"notes={glob}",
+            "--vocab-size", "300", "--workers", "1", "--max-docs", "5"]
+    assert main(args) == 0
+    assert main(["data", "stats", out]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, notes = lines[0].split(), lines[1].split()
+    assert dict(zip(header, notes, strict=True))["docs"] == "5"
+    assert main(["data", "stats", str(tmp_path)]) == 2
+    assert main(["data", "prepare", "--out", out, "--source", "no-equals-sign"]) == 2
+    assert "NAME=GLOB" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # about 15 s on two idle cores, twice that on busy ones
+def test_default_corpus_is_two_real_sources(tmp_path):
+    path = ensure_default_corpus(tmp_path / "default")
+    meta = read_meta(path)
+    assert meta["sources"] == ["code", "prose"] and meta["vocab_size"] == 4096
+    assert all(meta["train_tokens"][s] > 100_000 and meta["val_tokens"][s] > 1000
+               for s in meta["sources"])
+    assert ensure_default_corpus(path) == path  # complete: not prepared again
+    Loader(path, seq_len=128, batch_size=8).batch(0)
