@@ -1,0 +1,89 @@
+"""What a run reports: FLOPs per token, MFU, and the JSONL metrics file.
+
+FLOPs per token (training, forward + backward = 3x forward), after PaLM (Chowdhery et
+al. 2022, appendix B):
+    6 * N_active  +  12 * n_layers * n_heads * head_dim * seq_len
+N_active counts the weights one token multiplies: attention projections, the router,
+top_k routed experts (not all n_experts), the shared expert, dense FFNs, and the output
+head. The embedding lookup is a gather, not a matmul, and is not counted. The second
+term is attention's QK^T and AV, counted for the full (not causal-halved) square.
+MFU = achieved FLOPs/s / peak FLOPs/s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+
+from moelab.config import Config
+
+# Nominal peaks when train.peak_flops is 0 (FLOP/s). CPU: a rough figure for two modern
+# x86 cores in f32; set train.peak_flops for the machine you report on.
+NOMINAL_PEAK = {"cpu": 1.0e11, "gpu": 9.89e14, "tpu": 2.75e14}
+
+
+def active_params(cfg: Config) -> int:
+    m, moe = cfg.model, cfg.moe
+    hd = m.resolved_head_dim
+    attn = m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads)
+    routed = moe.top_k * 3 * m.d_model * m.d_ff + m.d_model * moe.n_experts
+    shared = 3 * m.d_model * (moe.d_ff_shared or m.d_ff) if moe.shared_expert else 0
+    dense = 3 * m.d_model * (m.d_ff_dense or m.d_ff * moe.top_k)
+    n_moe = m.n_layers - m.n_dense_layers
+    return (m.n_layers * attn + n_moe * (routed + shared) + m.n_dense_layers * dense
+            + m.d_model * m.vocab_size)
+
+
+def total_params(cfg: Config) -> int:
+    """Every matmul weight, all experts and the embedding included (norm scales are not)."""
+    m, moe = cfg.model, cfg.moe
+    idle_per_layer = (moe.n_experts - moe.top_k) * 3 * m.d_model * m.d_ff
+    idle_experts = (m.n_layers - m.n_dense_layers) * idle_per_layer
+    embedding = 0 if m.tie_embeddings else m.vocab_size * m.d_model  # a tied head is counted
+    return active_params(cfg) + idle_experts + embedding
+
+
+def flops_per_token(cfg: Config) -> float:
+    m = cfg.model
+    attention = 12 * m.n_layers * m.n_heads * m.resolved_head_dim * cfg.data.seq_len
+    return 6.0 * active_params(cfg) + attention
+
+
+def peak_flops(cfg: Config) -> float:
+    if cfg.train.peak_flops > 0:
+        return cfg.train.peak_flops
+    per_device = NOMINAL_PEAK.get(jax.default_backend(), NOMINAL_PEAK["cpu"])
+    return per_device * cfg.mesh.data * cfg.mesh.expert
+
+
+def mfu(cfg: Config, tokens_per_s: float) -> float:
+    return tokens_per_s * flops_per_token(cfg) / peak_flops(cfg)
+
+
+class JsonlLog:
+    """Append-only JSON lines, flushed and fsynced per record: a crash loses at most one."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past `step` (written after the checkpoint a run resumes from)."""
+        kept = [r for r in self.read() if r.get("step", -1) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)

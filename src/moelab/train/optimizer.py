@@ -1,0 +1,54 @@
+"""AdamW with decoupled weight decay, a learning-rate schedule, and global-norm clipping.
+
+Warmup-stable-decay (WSD): linear warmup, a long constant phase, then a linear decay over
+the last `decay_fraction` of steps. Unlike cosine, the stable phase can be cut at any
+point and decayed, which is what a scaling ladder wants from its rungs.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import optax
+
+from moelab.config import OptimConfig
+
+
+def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    low = cfg.lr * cfg.min_lr_ratio
+    after_warmup = max(total_steps - warmup, 1)
+    if cfg.schedule == "cosine":
+        tail = optax.cosine_decay_schedule(cfg.lr, after_warmup, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "wsd":
+        decay = max(int(round(cfg.decay_fraction * total_steps)), 0)
+        stable = max(after_warmup - decay, 0)
+        tail = optax.join_schedules(
+            [optax.constant_schedule(cfg.lr), optax.linear_schedule(cfg.lr, low, max(decay, 1))],
+            [stable],
+        )
+    else:
+        tail = optax.constant_schedule(cfg.lr)
+    if warmup == 0:
+        return tail
+    ramp = optax.linear_schedule(cfg.lr / max(warmup, 1), cfg.lr, warmup)
+    return optax.join_schedules([ramp, tail], [warmup])
+
+
+def decay_mask(params):
+    """Decay matrices only: norm scales (vectors) are left alone, as is standard."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, params) -> optax.GradientTransformation:
+    del params  # the mask is computed lazily from the params optax sees
+    adamw = optax.adamw(
+        lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        weight_decay=cfg.weight_decay, mask=decay_mask,
+    )
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+
+
+def trainable(model):
+    """The array leaves optax updates (equinox modules also hold static fields)."""
+    return eqx.filter(model, eqx.is_array)

@@ -1,0 +1,53 @@
+"""Where a run's metrics and events go: JSONL files in the run dir, and the lab store.
+
+The JSONL files are the run's own record and always written; when the run is attached
+to a lab experiment, every step and event is mirrored into its SQLite store too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moelab.train.metrics import JsonlLog
+
+LAB_RUN_FILE = "lab_run.json"  # remembers the lab run id across restarts of one run dir
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, experiment: str | None, config: dict):
+        self.metrics = JsonlLog(run_dir / "metrics.jsonl")
+        self.events = JsonlLog(run_dir / "events.jsonl")
+        self.store, self.run_id = None, None
+        if experiment:
+            self._attach(run_dir, experiment, config)
+
+    def _attach(self, run_dir: Path, experiment: str, config: dict) -> None:
+        from moelab.lab.store import Store, default_lab_path
+
+        self.store = Store(default_lab_path())
+        marker = run_dir / LAB_RUN_FILE
+        if marker.exists():
+            self.run_id = json.loads(marker.read_text())["run_id"]
+        else:
+            self.run_id = self.store.start_run(experiment, str(run_dir), config)
+            marker.write_text(json.dumps({"run_id": self.run_id, "experiment": experiment}))
+
+    def step(self, step: int, record: dict) -> None:
+        self.metrics.write({"step": step, **record})
+        if self.store is not None:
+            numbers = {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
+            self.store.log_metrics(self.run_id, step, numbers)
+
+    def event(self, step: int, kind: str, message: str) -> None:
+        self.events.write({"step": step, "kind": kind, "message": message})
+        if self.store is not None:
+            self.store.log_event(self.run_id, step, kind, message)
+
+    def finish(self, status: str, message: str = "") -> None:
+        if self.store is not None:
+            self.store.finish_run(self.run_id, status, message)
+
+    def rewind_to(self, step: int) -> None:
+        """Forget metrics of steps after `step`: they are about to be recomputed."""
+        self.metrics.truncate_after(step)

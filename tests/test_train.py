@@ -1,0 +1,122 @@
+"""The trainer: exact resume after a real SIGKILL, supervision, bad input, metrics."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from moelab.train.trainer import FAULT_ENV
+
+# Every test process compiles the same tiny programs: share them through JAX's disk cache.
+COMPILE_CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def moelab_train(config, run_dir, *extra, env=None, check=True):
+    """Run `moelab train` in a fresh process (compiled programs cached across processes)."""
+    cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config),
+           "--run-dir", str(run_dir), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **COMPILE_CACHE, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def events(run_dir):
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_sigkill_mid_run_then_rerun_resumes_with_identical_losses(tmp_path, write_config):
+    config = write_config()
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    moelab_train(config, clean)
+    killed = moelab_train(config, crashed, env={FAULT_ENV: "7"}, check=False)
+    assert killed.returncode == -9  # really killed, between checkpoints 4 and 8
+    assert max(losses(crashed)) == 7
+    resumed = moelab_train(config, crashed)
+    assert "resumed from checkpoint at step 4" in resumed.stdout
+    assert losses(crashed) == losses(clean)  # bitwise equal floats, steps 1..12
+    assert [e["kind"] for e in events(crashed)] == ["resume"]
+
+
+def test_supervisor_recovers_from_an_external_sigkill(tmp_path, write_config):
+    config = write_config(train={"steps": 200, "checkpoint_every": 5, "eval_every": 200})
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config), "--run-dir",
+           str(run), "--max-restarts", "2", "--restart-backoff", "0.1"]
+    supervisor = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, **COMPILE_CACHE})
+    deadline = time.time() + 300
+    while not ((run / "metrics.jsonl").exists() and max(losses(run), default=0) >= 8):
+        assert time.time() < deadline and supervisor.poll() is None
+        time.sleep(0.05)
+    os.kill(int((run / "worker.pid").read_text()), 9)  # the "hardware fault"
+    _, err = supervisor.communicate(timeout=600)
+    assert supervisor.returncode == 0, err
+    assert "restart 1/2" in err
+    kinds = [e["kind"] for e in events(run)]
+    assert kinds[:2] == ["restart", "resume"]
+    assert sorted(losses(run)) == list(range(1, 201))  # every step, once, after the rewind
+
+
+def test_supervisor_gives_up_after_max_restarts(tmp_path, write_config):
+    config = write_config(train={"checkpoint_every": 2})
+    proc = moelab_train(config, tmp_path / "run", "--max-restarts", "1", "--restart-backoff",
+                        "0.05", env={FAULT_ENV: "3"}, check=False)
+    assert proc.returncode == 1
+    assert "after 1 restarts; giving up" in proc.stderr
+    kinds = [e["kind"] for e in events(tmp_path / "run")]
+    assert kinds.count("restart") == 1 and kinds[-1] == "gave_up"
+
+
+def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, write_config):
+    config = write_config(optim={"lr": 1e30, "warmup_steps": 0, "clip_norm": 1e30},
+                          train={"checkpoint_every": 1, "steps": 20})
+    run = tmp_path / "run"
+    proc = moelab_train(config, run, check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert "non-finite" in proc.stderr
+    nan_event = [e for e in events(run) if e["kind"] == "nan"][0]
+    from moelab.train.checkpoint import load_latest
+
+    model, _, step = load_latest(run)
+    assert step < nan_event["step"]
+    import equinox as eqx
+    import jax
+
+    assert all(np.isfinite(np.asarray(a)).all()
+               for a in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+
+def test_incompatible_checkpoint_and_missing_data_are_clear_errors(tmp_path, write_config):
+    run = tmp_path / "run"
+    moelab_train(write_config(train={"steps": 4}), run)
+    wider = moelab_train(write_config(model={"d_model": 64}), run, check=False)
+    assert wider.returncode == 2
+    assert "incompatible config" in wider.stderr and "model.d_model" in wider.stderr
+    missing = moelab_train(write_config(data={"path": str(tmp_path / "nothing")}),
+                           tmp_path / "r2", check=False)
+    assert missing.returncode == 2 and "moelab data prepare" in missing.stderr
+
+
+def test_metrics_file_has_every_documented_field(tmp_path, write_config):
+    run = tmp_path / "run"
+    moelab_train(write_config(moe={"dispatch": "capacity", "capacity_factor": 1.0},
+                              train={"steps": 6}), run)
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("loss", "ce", "aux_loss", "router_z", "logit_z", "grad_norm", "lr",
+                "tokens_per_s", "mfu", "drop_frac/layer_0", "drop_frac/layer_1",
+                "expert_load_max_over_mean/layer_0", "val_loss/code", "val_loss/prose"):
+        assert key in last, key
+    assert 0 < last["drop_frac/layer_0"] < 1 and last["mfu"] > 0
