@@ -82,7 +82,7 @@ def grouped_dispatch(
     return y, jnp.sum(slot >= cap)
 
 
-def _in_groups(x: Array, routing: Routing, sequences_per_group: int):
+def in_groups(x: Array, routing: Routing, sequences_per_group: int):
     """[B, S, ...] -> [B / n, n * S, ...]: n consecutive sequences share one capacity pool."""
     regroup = lambda a: a.reshape(a.shape[0] // sequences_per_group, -1, *a.shape[2:])
     return regroup(x), Routing(regroup(routing.experts), regroup(routing.weights))
@@ -100,6 +100,6 @@ def pooled_dispatch(
 ) -> tuple[Float[Array, "B S D"], Array]:
     """Capacity shared by `pool_size` sequences (0 = the whole batch)."""
     pool = moe.pool_size or x.shape[0]
-    xg, rg = _in_groups(x, routing, pool)
+    xg, rg = in_groups(x, routing, pool)
     y, dropped = grouped_dispatch(xg, rg, local_experts(experts), moe)
     return y.reshape(x.shape), dropped

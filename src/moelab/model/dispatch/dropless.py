@@ -13,6 +13,7 @@ Two kernels compute the same numbers:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -76,16 +77,30 @@ def grouped_experts(rows: Array, s: Sorted, experts: Experts, moe: MoEConfig) ->
     return blocked_experts(rows, s, experts, moe.block_size)
 
 
-def dropless_dispatch(
-    x: Float[Array, "B S D"], routing: Routing, experts: Experts, moe: MoEConfig
-) -> tuple[Float[Array, "B S D"], Array]:
-    """Every assignment is computed: y[t] = sum_k w[t, k] * expert_{e[t, k]}(x[t])."""
+SortedCompute = Callable[[Float[Array, "A D"], Sorted], Float[Array, "A D"]]
+
+
+def sorted_dispatch(
+    x: Float[Array, "B S D"], routing: Routing, compute: SortedCompute, moe: MoEConfig
+) -> Float[Array, "B S D"]:
+    """Sort assignments by expert, `compute` the sorted rows, unsort and combine.
+
+    `compute` maps rows sorted by expert to their expert outputs; the expert-parallel
+    wrapper passes one that ships rows to the device holding their expert and back.
+    """
     b, s_len, d = x.shape
     tokens = x.reshape(-1, d)
     k = routing.experts.shape[-1]
     s = sort_by_expert(routing.experts.reshape(-1, k), moe.n_experts)
-    rows = tokens[s.order // k]
-    out_sorted = grouped_experts(rows, s, experts, moe)
+    out_sorted = compute(tokens[s.order // k], s)
     out = jnp.zeros_like(out_sorted).at[s.order].set(out_sorted).reshape(-1, k, d)
     y = jnp.einsum("tk,tkd->td", routing.weights.reshape(-1, k).astype(x.dtype), out)
-    return y.reshape(b, s_len, d), jnp.zeros((), jnp.int32)
+    return y.reshape(b, s_len, d)
+
+
+def dropless_dispatch(
+    x: Float[Array, "B S D"], routing: Routing, experts: Experts, moe: MoEConfig
+) -> tuple[Float[Array, "B S D"], Array]:
+    """Every assignment is computed: y[t] = sum_k w[t, k] * expert_{e[t, k]}(x[t])."""
+    compute = lambda rows, s: grouped_experts(rows, s, experts, moe)
+    return sorted_dispatch(x, routing, compute, moe), jnp.zeros((), jnp.int32)

@@ -1,0 +1,172 @@
+"""Expert parallelism on 8 fake CPU devices equals the single-device path, values and grads.
+
+The jax work runs in one subprocess (this file run as a script) so that
+XLA_FLAGS=--xla_force_host_platform_device_count=8 is set before jax is imported; the
+tests below read its per-case report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TOL = 1e-5
+DEVICES = 8
+LAYER_CASES = [(e, d) for e in (2, 4, 8) for d in ("capacity", "pooled", "dropless")]
+RAGGED_CASES = [2, 4, 8]  # dropless through ragged_all_to_all (emulated: CPU lacks it)
+
+
+def fake_devices_env(n: int) -> dict[str, str]:
+    flags = f"--xla_force_host_platform_device_count={n} --xla_backend_optimization_level=0"
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    done = subprocess.run([sys.executable, __file__], env=fake_devices_env(DEVICES),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("n_experts,dispatch", LAYER_CASES)
+def test_moe_layer_matches_single_device(report, n_experts, dispatch):
+    case = report[f"layer/{dispatch}/E{n_experts}"]
+    assert case["forward"] < TOL and case["grads"] < TOL, case
+    assert case["drop_frac"] == case["drop_frac_single"]
+    if dispatch == "capacity":
+        assert case["drop_frac"] > 0  # the psum'd drop count is exercised, not just zero
+
+
+@pytest.mark.parametrize("n_experts", RAGGED_CASES)
+def test_ragged_exchange_matches_single_device(report, n_experts):
+    case = report[f"ragged/dropless/E{n_experts}"]
+    assert case["forward"] < TOL and case["grads"] < TOL, case
+
+
+def test_jitted_model_step_matches_single_device(report):
+    """The trainer's composition: place, expert_parallel, filter_jit of value_and_grad."""
+    case = report["model/dropless/E4"]
+    assert case["forward"] < TOL and case["grads"] < TOL, case
+
+
+def test_pool_size_zero_pools_the_local_batch(report):
+    """Under EP, pool_size 0 pools each device's own sequences, not the global batch."""
+    case = report["layer/pooled-0-vs-local/E4"]
+    assert case["forward"] < TOL and case["grads"] < TOL, case
+    assert case["drop_frac"] == case["drop_frac_single"]
+
+
+# --------------------------------------------------------------- subprocess worker
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+    """ragged_all_to_all (one slice per peer) from all_gather, for a backend without it."""
+    import jax
+    import jax.numpy as jnp
+
+    gather = lambda a: jax.lax.all_gather(a, axis_name)
+    me = jax.lax.axis_index(axis_name)
+    ops, starts = gather(operand), gather(input_offsets)[:, me]
+    sizes, at = gather(send_sizes)[:, me], gather(output_offsets)[:, me]  # per source
+    r = jnp.arange(output.shape[0])[:, None]
+    inside = (r >= at) & (r < at + sizes)  # [M, src]
+    src = jnp.argmax(inside, axis=1)
+    row = jnp.clip(starts[src] + r[:, 0] - at[src], 0, operand.shape[0] - 1)
+    return jnp.where(jnp.any(inside, axis=1)[:, None], ops[src, row], output)
+
+
+def max_diff(a, b) -> float:
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    pairs = zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)),
+                jax.tree.leaves(eqx.filter(b, eqx.is_array)), strict=True)
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
+
+
+def compare(fn, module, inputs, mesh, exchange="auto", parallel_module=None) -> dict:
+    """Run `fn(module, inputs)` -> (value, (outputs, drop_frac)) plain and expert-parallel.
+
+    `parallel_module` (default: `module`) is the one made expert-parallel.
+    """
+    import equinox as eqx
+    import jax
+
+    from moelab.parallel.expert import expert_parallel
+    from moelab.parallel.mesh import batch_sharding, place
+
+    step = eqx.filter_jit(eqx.filter_value_and_grad(fn, has_aux=True))
+    (v0, (o0, d0)), g0 = step(module, inputs)
+    sharded = expert_parallel(place(parallel_module or module, mesh), mesh, exchange)
+    (v1, (o1, d1)), g1 = step(sharded, jax.device_put(inputs, batch_sharding(mesh)))
+    return {"forward": max_diff((v0, o0), (v1, o1)), "grads": max_diff(g0, g1),
+            "drop_frac": float(d1.sum()), "drop_frac_single": float(d0.sum())}
+
+
+def layer_case(n_experts: int, dispatch: str, exchange: str = "auto", parallel_pool: int = 2
+               ) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from moelab.config import MeshConfig, ModelConfig, MoEConfig
+    from moelab.model.moe import MoE
+    from moelab.parallel.mesh import make_mesh
+
+    make = lambda pool: eqx.filter_jit(MoE)(  # under jit: eager init compiles op by op
+        ModelConfig(d_model=8, d_ff=8, init_std=0.5),
+        MoEConfig(n_experts=n_experts, top_k=min(2, n_experts - 1), dispatch=dispatch,
+                  capacity_factor=1.0, pool_size=pool, block_size=4),
+        jax.random.key(n_experts))
+    x = jax.random.normal(jax.random.key(1), (2 * DEVICES, 4, 8))  # 2 sequences per device
+    probe = jax.random.normal(jax.random.key(2), x.shape)
+
+    def fn(layer, x):
+        y, stats = layer(x)
+        return jnp.mean(y * probe), (y, stats.drop_frac)
+
+    mesh = make_mesh(MeshConfig(data=DEVICES // n_experts, expert=n_experts))
+    return compare(fn, make(2), x, mesh, exchange, make(parallel_pool))
+
+
+def model_case() -> dict:
+    import equinox as eqx
+    import jax
+
+    from moelab.config import LossConfig, MeshConfig, ModelConfig, MoEConfig
+    from moelab.model import Transformer, objective
+    from moelab.parallel.mesh import make_mesh
+
+    model = eqx.filter_jit(Transformer)(ModelConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2,
+                                    n_kv_heads=1, d_ff=8),
+                        MoEConfig(n_experts=4, top_k=2, block_size=4), jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (DEVICES, 5), 0, 32)
+
+    def fn(model, tokens):
+        logits, stats, _ = model(tokens[:, :-1])
+        loss, parts = objective(logits, tokens[:, 1:], stats, LossConfig())
+        return loss, (loss, parts["drop_frac"])
+
+    return compare(fn, model, tokens, make_mesh(MeshConfig(data=2, expert=4)))
+
+
+def main() -> None:
+    import jax
+
+    out = {f"layer/{d}/E{e}": layer_case(e, d) for e, d in LAYER_CASES}
+    jax.lax.ragged_all_to_all = emulated_ragged_all_to_all
+    out |= {f"ragged/dropless/E{e}": layer_case(e, "dropless", "ragged") for e in RAGGED_CASES}
+    out["layer/pooled-0-vs-local/E4"] = layer_case(4, "pooled", parallel_pool=0)
+    out["model/dropless/E4"] = model_case()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
