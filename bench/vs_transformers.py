@@ -1,0 +1,168 @@
+"""Forward+backward time of one MoE decoder block: moelab (JAX, dropless) vs transformers.
+
+    python3 bench/vs_transformers.py [--batch 8] [--seq 256] [--reps 7]
+
+The block is a whole decoder layer, attention and MoE FFN (pre-norm, residual):
+moelab's `Block` and the `Qwen3MoeDecoderLayer` that `moelab export` turns it into, with
+the same weights (loaded from the exported directory, so the conversion is timed on the
+real path) and the same input. Both run in this process on CPU in float32; the output is
+checked equal before timing. Each rep computes the block's output, a scalar loss
+sum(out * g), and its gradients with respect to every weight and the input. Reps of the
+two alternate, after warmup, so load from other processes hits both alike; the medians
+and their ratio are printed and written to bench/results/vs_transformers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from moelab.config import Config, ModelConfig, MoEConfig
+from moelab.export.hf import export_hf
+from moelab.model import Transformer
+from moelab.model.layers import rope_angles
+
+RESULTS = Path(__file__).parent / "results" / "vs_transformers.json"
+transformers.utils.logging.disable_progress_bar()
+
+
+def build(args: argparse.Namespace) -> tuple[Config, Transformer]:
+    model_cfg = ModelConfig(vocab_size=512, d_model=args.d_model, n_layers=1,
+                            n_heads=args.heads, n_kv_heads=args.kv_heads, d_ff=args.d_ff)
+    moe = MoEConfig(n_experts=args.experts, top_k=args.top_k, dispatch="dropless")
+    cfg = Config(model=model_cfg, moe=moe)
+    return cfg, Transformer(cfg.model, cfg.moe, jax.random.key(0))
+
+
+def moelab_step(block, x, g, cos, sin):
+    """A call that runs one jit-compiled forward+backward; returns (loss, dx)."""
+    params, static = eqx.partition(block, eqx.is_array)
+
+    @jax.jit
+    def step(params, x, g, cos, sin):
+        def loss(params, x):
+            out, _, _ = eqx.combine(params, static)(x, cos, sin)
+            return jnp.sum(out * g)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    def call():
+        loss, (_, dx) = jax.block_until_ready(step(params, x, g, cos, sin))
+        return float(loss), np.asarray(dx)
+
+    return call
+
+
+def transformers_step(layer, rotary, x, g):
+    """A call that runs one eager forward+backward of the HF layer; returns (loss, dx)."""
+    x = torch.tensor(np.asarray(x), requires_grad=True)
+    g = torch.tensor(np.asarray(g))
+    positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    cos, sin = rotary(x, positions)
+    layer.train()  # as in training (dropout is 0 either way)
+
+    def call():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        out = layer(x, attention_mask=None, position_ids=positions,
+                    position_embeddings=(cos, sin))
+        loss = torch.sum(out * g)
+        loss.backward()
+        return loss.item(), x.grad.detach().numpy().copy()
+
+    return call
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg, model = build(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            export_hf(model, cfg, Path(tmp) / "hf"), dtype=torch.float32)
+    kx, kg = jax.random.split(jax.random.key(1))
+    shape = (args.batch, args.seq, args.d_model)
+    x, g = jax.random.normal(kx, shape), jax.random.normal(kg, shape)
+    positions = jnp.broadcast_to(jnp.arange(args.seq), (args.batch, args.seq))
+    cos, sin = rope_angles(positions, cfg.model.resolved_head_dim, cfg.model.rope_theta)
+    ours = moelab_step(model.blocks[0], x, g, cos, sin)
+    theirs = transformers_step(hf.model.layers[0], hf.model.rotary_emb, x, g)
+
+    (loss_a, dx_a), (loss_b, dx_b) = ours(), theirs()  # also the first warmup
+    dx_err = float(np.max(np.abs(dx_a - dx_b)))
+    if dx_err > 1e-3 * max(1.0, float(np.max(np.abs(dx_b)))):
+        raise SystemExit(f"the two blocks disagree: max |d loss/dx| error {dx_err:.2e}")
+    for _ in range(args.warmup - 1):
+        ours(), theirs()
+    times = {"moelab": [], "transformers": []}
+    for _ in range(args.reps):  # alternate, so background load hits both alike
+        times["moelab"].append(timed(ours))
+        times["transformers"].append(timed(theirs))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    result = {
+        "block": "decoder layer: RMSNorm + GQA attention (QK-norm, RoPE) + RMSNorm + MoE FFN",
+        "pass": "forward + backward (grads of all block weights and of the input)",
+        "shapes": {"batch": args.batch, "seq": args.seq, "d_model": args.d_model,
+                   "heads": args.heads, "kv_heads": args.kv_heads,
+                   "head_dim": cfg.model.resolved_head_dim, "experts": args.experts,
+                   "top_k": args.top_k, "d_ff": args.d_ff},
+        "dtype": "float32",
+        "moelab": {"dispatch": "dropless", "kernel": "ragged" if jax.default_backend() != "cpu"
+                   else f"blocked (block_size {cfg.moe.block_size})",
+                   "backend": jax.default_backend(), "jax": jax.__version__},
+        "transformers": {"version": transformers.__version__, "torch": torch.__version__,
+                         "experts_implementation": hf.config._experts_implementation,
+                         "attn_implementation": hf.config._attn_implementation,
+                         "torch_threads": torch.get_num_threads()},
+        "check": {"loss_moelab": loss_a, "loss_transformers": loss_b,
+                  "max_abs_err_dloss_dx": dx_err},
+        "warmup": args.warmup, "reps": args.reps,
+        "seconds": {k: [round(t, 5) for t in v] for k, v in times.items()},
+        "median_ms": {k: round(1e3 * v, 2) for k, v in median.items()},
+        "ratio_transformers_over_moelab": round(median["transformers"] / median["moelab"], 3),
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+                    "python": platform.python_version(), "platform": platform.platform()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"moelab {median['moelab'] * 1e3:.1f} ms, transformers "
+          f"{median['transformers'] * 1e3:.1f} ms (median of {args.reps}): transformers / "
+          f"moelab = {result['ratio_transformers_over_moelab']:.2f}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--d-ff", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

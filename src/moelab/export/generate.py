@@ -1,0 +1,152 @@
+"""Sample from a trained model with a KV cache: greedy, or temperature with top-p.
+
+The prompt is run through the model once (prefill) to fill the cache; then one token per
+step, under one jit-compiled step of fixed shapes (the write position, temperature and
+top-p are traced scalars). Prompt and cache lengths are rounded up to buckets, so one
+compiled prefill and step serve many requests.
+
+Generation routes dropless whatever `moe.dispatch` the model trained with: capacity
+dispatch drops assignments depending on what else is in the batch, which a decoder must
+not do. That is also the function the Hugging Face export computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from moelab.config import ConfigError
+from moelab.model import Transformer
+from moelab.model.moe import MoE
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+
+def with_dropless_dispatch(model: Transformer, block_size: int | None = None) -> Transformer:
+    """The same weights, routed with dropless dispatch (block_size: the CPU kernel's rows
+    per block; None keeps the model's)."""
+    moe = next((b.ffn.moe for b in model.blocks if isinstance(b.ffn, MoE)), None)
+    if moe is None:
+        return model  # all layers dense
+    moe = dataclasses.replace(moe, dispatch="dropless", block_size=block_size or moe.block_size)
+    skeleton = eqx.filter_eval_shape(Transformer, model.cfg, moe, jax.random.key(0))
+    return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    if temperature < 0:
+        raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p: must be in (0, 1], got {top_p}")
+
+
+def nucleus_mask(probs: Float[Array, " V"], top_p: Array | float) -> Array:
+    """True for the smallest set of most likely tokens whose probability reaches top_p."""
+    order = jnp.argsort(-probs)
+    sorted_probs = probs[order]
+    mass_before = jnp.cumsum(sorted_probs) - sorted_probs
+    # The most likely token is always kept; top_p = 1 keeps all (whatever rounding says).
+    keep_sorted = (mass_before < top_p) | (top_p >= 1)
+    return jnp.zeros(probs.shape, bool).at[order].set(keep_sorted)
+
+
+def sample_token(
+    logits: Float[Array, " V"],
+    key: PRNGKeyArray,
+    temperature: Array | float,
+    top_p: Array | float,
+) -> Int[Array, ""]:
+    """One token from softmax(logits / temperature) restricted to the top-p nucleus."""
+    logits = logits.astype(jnp.float32) / temperature
+    keep = nucleus_mask(jax.nn.softmax(logits), top_p)
+    return jax.random.categorical(key, jnp.where(keep, logits, -jnp.inf))
+
+
+PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this ...
+CACHE_BUCKET = 64  # ... and caches rounded up to one of this, so few shapes get compiled
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@eqx.filter_jit
+def _advance(model, caches, tokens, index, n_real, key, temperature, top_p):
+    """Feed tokens [S] (the first n_real real, the rest padding) at positions index.. into
+    the cache; pick the token after the last real one (greedy where temperature is 0).
+
+    Padding writes keys past the real positions; each is overwritten before any query
+    can see it (the causal mask hides positions after the query), and dropless routing
+    keeps padded tokens from touching real ones.
+    """
+    logits, _, caches = model(tokens[None, :], caches, index)
+    last = logits[0, n_real - 1]
+    sampled = sample_token(last, key, jnp.where(temperature > 0, temperature, 1.0), top_p)
+    token = jnp.where(temperature > 0, sampled, jnp.argmax(last))
+    return token.astype(jnp.int32), caches
+
+
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> list[int]:
+    """The new token ids after prompt_ids (greedy when temperature is 0); stops after
+    eos_id if given. The same seed gives the same tokens."""
+    check_sampling(temperature, top_p)
+    if not prompt_ids:
+        raise ConfigError("prompt: needs at least one token")
+    if max_new_tokens <= 0:
+        return []
+    n_prompt = len(prompt_ids)
+    padded = np.zeros(_round_up(n_prompt, PROMPT_BUCKET), np.int32)
+    padded[:n_prompt] = prompt_ids
+    caches = model.init_caches(
+        1, _round_up(max(len(padded), n_prompt + max_new_tokens), CACHE_BUCKET))
+    key = jax.random.key(seed)
+    settings = (jnp.float32(temperature), jnp.float32(top_p))
+    token, caches = _advance(with_dropless_dispatch(model), caches, jnp.asarray(padded),
+                             jnp.int32(0), jnp.int32(n_prompt), jax.random.fold_in(key, 0),
+                             *settings)
+    # One token per step: one-row blocks; the training block size would be mostly padding.
+    stepper = with_dropless_dispatch(model, block_size=1)
+    out = [int(token)]
+    for i in range(1, max_new_tokens):
+        if out[-1] == eos_id:
+            break
+        token, caches = _advance(stepper, caches, token[None], jnp.int32(n_prompt + i - 1),
+                                 jnp.int32(1), jax.random.fold_in(key, i), *settings)
+        out.append(int(token))
+    return out
+
+
+def generate_text(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> str:
+    """The text the model writes after `prompt`. An empty prompt starts a new document
+    (the end-of-text token, which separates documents in training)."""
+    from moelab.data.tokenizer import EOS
+
+    eos_id = tokenizer.token_to_id(EOS)
+    prompt_ids = tokenizer.encode(prompt).ids or ([eos_id] if eos_id is not None else [])
+    new = generate(model, prompt_ids, max_new_tokens, temperature, top_p, seed, eos_id)
+    if new and new[-1] == eos_id:
+        new = new[:-1]
+    return tokenizer.decode(new)

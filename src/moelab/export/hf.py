@@ -1,0 +1,209 @@
+"""Export a moelab Transformer as a Hugging Face `transformers` Qwen3-MoE checkpoint.
+
+Qwen3-MoE (`Qwen3MoeForCausalLM`) computes the same function as our model, term by term:
+pre-norm RMSNorm blocks, GQA attention with an RMSNorm over each head's queries and keys
+before rotate-half RoPE, a softmax router with top-k and optional renormalization
+(`norm_topk_prob`), SwiGLU experts, dense SwiGLU layers listed in `mlp_only_layers`, and
+optionally tied embeddings. OLMoE was the other candidate; its QK-norm spans the whole
+projection rather than each head, so it cannot express ours.
+
+What Qwen3-MoE cannot express is refused by `check_exportable`, naming the field, before
+anything is written: a sigmoid router, a shared expert, and attention without QK-norm.
+
+Weights are written in the layout of the Qwen3-MoE checkpoints on the Hub (one tensor per
+expert, `mlp.experts.{e}.gate_proj.weight`), which `transformers` fuses on load; torch
+Linear weights are [out, in], ours are [in, out], so every matrix is transposed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from moelab.config import Config, ConfigError
+from moelab.errors import UserError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from moelab.model import Transformer
+
+ARCHITECTURE = "Qwen3MoeForCausalLM"
+WEIGHTS_FILE = "model.safetensors"
+
+# field -> (value that Qwen3-MoE cannot express, why, the fix)
+_REFUSED = {
+    "moe.router": ("sigmoid", "Qwen3-MoE routes with a softmax over all experts",
+                   "train with moe.router=softmax"),
+    "moe.shared_expert": (True, "Qwen3-MoE has no shared expert",
+                          "train with moe.shared_expert=false"),
+    "model.qk_norm": (False, "Qwen3-MoE always applies q_norm/k_norm per head",
+                      "train with model.qk_norm=true"),
+}
+
+
+def check_exportable(cfg: Config) -> None:
+    """Raise ConfigError, naming the field, if Qwen3-MoE cannot compute this model."""
+    for name, (refused, why, fix) in _REFUSED.items():
+        section, field_name = name.split(".")
+        value = getattr(getattr(cfg, section), field_name)
+        if value == refused:
+            raise ConfigError(f"{name}={value!r} cannot be exported: {why}; {fix}")
+
+
+def hf_config(cfg: Config, eos_token_id: int | None = None) -> dict[str, Any]:
+    """The config.json of the Qwen3-MoE model that computes `cfg`'s transformer."""
+    m, moe = cfg.model, cfg.moe
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3_moe",
+        "dtype": "float32",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": m.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "max_position_embeddings": cfg.data.seq_len,  # the context it was trained on
+        "use_sliding_window": False,
+        "tie_word_embeddings": m.tie_embeddings,
+        "num_experts": moe.n_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": m.d_ff,
+        "norm_topk_prob": moe.normalize_top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(m.n_dense_layers)),
+        "intermediate_size": m.d_ff_dense or m.d_ff * moe.top_k,  # the dense layers' width
+        "router_aux_loss_coef": cfg.loss.aux_weight,
+        "initializer_range": m.init_std,
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+    }
+
+
+def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
+    """Our parameters under Qwen3-MoE's checkpoint names, as float32 [out, in] arrays."""
+    from moelab.model.moe import MoE
+
+    def t(w) -> np.ndarray:  # ours x @ W with W [in, out] -> torch Linear weight [out, in]
+        return np.ascontiguousarray(np.asarray(w, np.float32).T)
+
+    def vec(w) -> np.ndarray:
+        return np.asarray(w, np.float32)
+
+    out = {"model.embed_tokens.weight": vec(model.embed), "model.norm.weight":
+           vec(model.final_norm.weight)}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = t(model.lm_head)
+    for i, block in enumerate(model.blocks):
+        p, attn = f"model.layers.{i}.", block.attn
+        out |= {
+            p + "input_layernorm.weight": vec(block.attn_norm.weight),
+            p + "post_attention_layernorm.weight": vec(block.ffn_norm.weight),
+            p + "self_attn.q_proj.weight": t(attn.wq),
+            p + "self_attn.k_proj.weight": t(attn.wk),
+            p + "self_attn.v_proj.weight": t(attn.wv),
+            p + "self_attn.o_proj.weight": t(attn.wo),
+            p + "self_attn.q_norm.weight": vec(attn.q_norm.weight),
+            p + "self_attn.k_norm.weight": vec(attn.k_norm.weight),
+        }
+        if isinstance(block.ffn, MoE):
+            experts = block.ffn.experts
+            out[p + "mlp.gate.weight"] = t(block.ffn.router)
+            for e in range(experts.n_experts):
+                q = f"{p}mlp.experts.{e}."
+                out |= {q + "gate_proj.weight": t(experts.w_gate[e]),
+                        q + "up_proj.weight": t(experts.w_up[e]),
+                        q + "down_proj.weight": t(experts.w_down[e])}
+        else:
+            out |= {p + "mlp.gate_proj.weight": t(block.ffn.w_gate),
+                    p + "mlp.up_proj.weight": t(block.ffn.w_up),
+                    p + "mlp.down_proj.weight": t(block.ffn.w_down)}
+    return out
+
+
+def _check_model_matches(model: Transformer, cfg: Config) -> None:
+    """The config.json is written from cfg, the weights from model: they must agree."""
+    from moelab.model.moe import MoE
+
+    if model.cfg != cfg.model:
+        raise UserError("the model was built with a different `model` config than the one "
+                        "given; export the config the checkpoint was trained with")
+    for i, block in enumerate(model.blocks):
+        if isinstance(block.ffn, MoE) and block.ffn.moe != cfg.moe:
+            raise UserError(f"block {i} was built with a different `moe` config than the "
+                            "one given; export the config the checkpoint was trained with")
+
+
+def _tokenizer_files(tokenizer: Tokenizer, cfg: Config) -> tuple[dict[str, str], int | None]:
+    """tokenizer.json plus the config that makes `AutoTokenizer.from_pretrained` load it."""
+    from moelab.data.tokenizer import EOS
+
+    if tokenizer.get_vocab_size() > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.get_vocab_size()} tokens; the checkpoint cannot embed them all")
+    eos_id = tokenizer.token_to_id(EOS)
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.data.seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    if eos_id is not None:
+        settings["eos_token"] = EOS
+    files = {"tokenizer.json": tokenizer.to_str(),
+             "tokenizer_config.json": json.dumps(settings, indent=2)}
+    return files, eos_id
+
+
+def export_hf(
+    model: Transformer,
+    cfg: Config,
+    out_dir: str | Path,
+    tokenizer: Tokenizer | None = None,
+) -> Path:
+    """Write `model` (trained with `cfg`) to out_dir as a Qwen3-MoE checkpoint.
+
+    out_dir must not exist or be empty. Everything is written to a temporary sibling that
+    is renamed into place last, so a failed export never leaves a partial directory.
+    """
+    check_exportable(cfg)
+    _check_model_matches(model, cfg)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"{out_dir} already exists and is not empty; remove it or choose "
+                        "another --out")
+    try:
+        from safetensors.numpy import save_file
+    except ImportError as err:
+        raise UserError("export needs safetensors: pip install 'moelab[export]'") from err
+
+    files, eos_id = _tokenizer_files(tokenizer, cfg) if tokenizer is not None else ({}, None)
+    files["config.json"] = json.dumps(hf_config(cfg, eos_id), indent=2)
+    weights = hf_state_dict(model)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        for name, text in files.items():
+            (tmp / name).write_text(text + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only
+        os.replace(tmp, out_dir)  # atomic; replaces an empty out_dir
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

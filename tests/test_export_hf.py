@@ -1,0 +1,71 @@
+"""The Hugging Face export computes what moelab computes: same logits, same greedy tokens."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_export import TINY, logits_of, tiny  # noqa: E402  (tests/ is on sys.path)
+
+from moelab.export.generate import generate  # noqa: E402
+from moelab.export.hf import export_hf  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+
+def load_hf(path):
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    return hf.eval()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_logits_match_transformers(tmp_path, tie):
+    model, cfg = tiny(tie)
+    hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == tie
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (1, 37), 0, TINY.vocab_size))
+    ours = np.asarray(logits_of(model, jnp.asarray(tokens)))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens)).logits.numpy()
+    err = float(np.max(np.abs(ours - theirs)))
+    print(f"max |logit error| ({'tied' if tie else 'untied'}): {err:.2e}")
+    assert np.std(ours) > 0.5  # logits are far from zero: the bound below means something
+    assert err < 1e-4
+
+
+def test_greedy_generation_matches_transformers(tmp_path):
+    model, cfg = tiny()
+    hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
+    prompt = [5, 17, 42, 3, 88]
+    ours = generate(model, prompt, max_new_tokens=32)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32,
+                          min_new_tokens=32)
+    assert len(ours) == 32
+    assert ours == out[0, len(prompt):].tolist()
+
+
+def test_tokenizer_loads_offline_with_autotokenizer(tmp_path):
+    from moelab.data.tokenizer import EOS, train_tokenizer
+
+    texts = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over it."] * 20
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    model, cfg = tiny()
+    out = export_hf(model, cfg, tmp_path / "hf", tokenizer=tokenizer)
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def fox(a):\n    return a + 1  # é\n"
+    assert hf_tok(text)["input_ids"] == tokenizer.encode(text).ids
+    assert hf_tok.decode(tokenizer.encode(text).ids) == text
+    assert hf_tok.eos_token == EOS
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == tokenizer.token_to_id(EOS) == hf_tok.eos_token_id
