@@ -1,0 +1,100 @@
+"""Trainer parts in-process: spike detector, LR schedules, accumulation, FLOPs count."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moelab.config import Config, LossConfig, ModelConfig, MoEConfig, OptimConfig, config_from_dict
+from moelab.model import Transformer
+from moelab.train.metrics import active_params, flops_per_token, total_params
+from moelab.train.optimizer import lr_schedule, make_optimizer, trainable
+from moelab.train.spikes import SpikeDetector
+from moelab.train.step import make_train_step
+
+
+def run_detector(series, **kw):
+    detector = SpikeDetector(**kw)
+    return {i: flag for i, v in enumerate(series) if (flag := detector.update(v))}
+
+
+def noisy_loss(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return 3.0 * np.exp(-np.arange(n) / 400) + 0.02 * rng.standard_normal(n) + 2.0
+
+
+def test_normal_noise_is_not_flagged():
+    for seed in range(5):
+        assert run_detector(noisy_loss(500, seed)) == {}
+
+
+def test_single_spike_is_flagged_and_the_run_goes_on():
+    series = noisy_loss(300)
+    series[150] += 1.0
+    assert run_detector(series) == {150: "spike"}
+
+
+def test_sustained_blow_up_is_a_divergence():
+    series = noisy_loss(300)
+    series[200:] += np.linspace(1.0, 5.0, 100)
+    flags = run_detector(series, patience=5)
+    assert [flags[i] for i in range(200, 204)] == ["spike"] * 4
+    assert flags[204] == "divergence"
+    assert run_detector([2.0] * 20 + [float("nan")]) == {20: "divergence"}
+
+
+def test_wsd_schedule_warms_up_holds_then_decays():
+    cfg = OptimConfig(lr=1.0, schedule="wsd", warmup_steps=10, decay_fraction=0.2,
+                      min_lr_ratio=0.1)
+    lr = [float(lr_schedule(cfg, 100)(s)) for s in range(101)]
+    assert lr[0] < lr[5] < lr[10] == pytest.approx(1.0)
+    assert all(v == pytest.approx(1.0) for v in lr[10:80])
+    assert lr[90] == pytest.approx(0.55, abs=0.01) and lr[100] == pytest.approx(0.1)
+    cos = OptimConfig(lr=1.0, schedule="cosine", warmup_steps=0, min_lr_ratio=0.0)
+    assert float(lr_schedule(cos, 100)(50)) == pytest.approx(0.5, abs=0.01)
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    base = Config(model=ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2,
+                                    n_kv_heads=1, d_ff=32),
+                  moe=MoEConfig(n_experts=4, top_k=1), loss=LossConfig(0.0, 0.0, 0.0))
+    tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, 64)
+    results = []
+    for accum in (1, 4):
+        cfg = dataclasses.replace(base, optim=OptimConfig(grad_accum=accum, warmup_steps=0))
+        model = Transformer(cfg.model, cfg.moe, jax.random.key(1))
+        opt = make_optimizer(cfg.optim, 10, None)
+        new, _, parts = make_train_step(cfg, opt)(model, opt.init(trainable(model)), tokens)
+        results.append((new, parts))
+    (m1, p1), (m4, p4) = results
+    np.testing.assert_allclose(p1["ce"], p4["ce"], rtol=1e-5)
+    np.testing.assert_allclose(p1["grad_norm"], p4["grad_norm"], rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(eqx.filter(m1, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(m4, eqx.is_array)), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_bf16_compute_runs_and_keeps_float32_params():
+    cfg = config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "n_layers": 1,
+                                      "n_heads": 2, "n_kv_heads": 1, "d_ff": 32},
+                            "moe": {"n_experts": 4, "top_k": 2},
+                            "train": {"dtype": "bfloat16"}})
+    model = Transformer(cfg.model, cfg.moe, jax.random.key(1))
+    opt = make_optimizer(cfg.optim, 10, None)
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
+    new, _, parts = make_train_step(cfg, opt)(model, opt.init(trainable(model)), tokens)
+    assert np.isfinite(float(parts["loss"])) and new.embed.dtype == jnp.float32
+
+
+def test_flops_count_only_active_experts():
+    cfg = config_from_dict({"model": {"vocab_size": 100, "d_model": 8, "n_layers": 1,
+                                      "n_heads": 2, "n_kv_heads": 1, "d_ff": 4},
+                            "moe": {"n_experts": 4, "top_k": 1}, "data": {"seq_len": 10}})
+    attn = 8 * 4 * (2 * 2 + 2 * 1)  # q, o: 2 heads; k, v: 1 head; head_dim 4
+    routed = 1 * 3 * 8 * 4 + 8 * 4  # one expert's SwiGLU + the router
+    assert active_params(cfg) == attn + routed + 8 * 100
+    assert total_params(cfg) == active_params(cfg) + 3 * 3 * 8 * 4 + 100 * 8
+    assert flops_per_token(cfg) == 6 * active_params(cfg) + 12 * 1 * 2 * 4 * 10
