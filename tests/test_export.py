@@ -164,3 +164,5 @@ def test_cli_exports_and_generates_from_a_run_dir(tmp_path, capsys):
     exported, generated = capsys.readouterr().out.split("\n", 1)
     assert exported.startswith("exported step 3") and generated.startswith("def")
     assert main(["generate", "--run-dir", str(tmp_path / "run"), "--top-p", "2"]) == 2
+    assert main(["export", "--run-dir", str(tmp_path / "typo"), "--out", "x"]) == 2
+    assert not (tmp_path / "typo").exists()

@@ -32,6 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _load(run_dir: Path):
     from moelab.errors import UserError
 
+    if not run_dir.is_dir():  # checked here: the loader would create it
+        raise UserError(f"{run_dir} is not a run directory; pass the --run-dir of a training run")
     try:
         from moelab.train.checkpoint import load_latest
     except ModuleNotFoundError as err:
