@@ -21,6 +21,7 @@ from moelab.config import Config, ConfigError, DataConfig, config_to_dict, dump_
 from moelab.data.loader import Loader, read_meta
 from moelab.errors import UserError
 from moelab.model import Transformer
+from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, make_mesh, place
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.metrics import mfu
@@ -69,6 +70,7 @@ class Trainer:
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed)
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
+        initialize_distributed(cfg.distributed)  # before any device is touched; no-op on 1 host
         self.mesh = make_mesh(cfg.mesh)
         self.model = build_model(cfg, self.mesh)
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
