@@ -9,12 +9,12 @@ single-device forward of the same model on the same batch.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
+from test_parallel_expert import fake_devices_env
 
 from moelab.config import ConfigError, DistributedConfig
 from moelab.parallel.distributed import Cluster, resolve
@@ -30,10 +30,8 @@ def test_two_processes_form_one_mesh_and_agree():
     port, n = free_port(), 2
     procs = []
     for rank in range(n):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-               "MOELAB_COORDINATOR": f"127.0.0.1:{port}", "MOELAB_NUM_PROCESSES": str(n),
-               "MOELAB_PROCESS_ID": str(rank)}
+        env = fake_devices_env(2, MOELAB_COORDINATOR=f"127.0.0.1:{port}",
+                               MOELAB_NUM_PROCESSES=str(n), MOELAB_PROCESS_ID=str(rank))
         procs.append(subprocess.Popen([sys.executable, __file__], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []
