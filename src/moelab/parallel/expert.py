@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from moelab.config import ConfigError, MoEConfig
-from moelab.model.dispatch import Experts
+from moelab.model.dispatch import Dispatch, Experts
 from moelab.model.dispatch.capacity import grouped_dispatch, in_groups, local_experts
 from moelab.model.dispatch.dropless import Sorted, grouped_experts, sorted_dispatch
 from moelab.model.moe import MoE
@@ -71,11 +71,11 @@ def expert_parallel(model: eqx.Module, mesh: Mesh, exchange: Exchange = "auto") 
         if is_moe(layer) and layer.moe.n_experts % mesh.shape[AXIS]:
             raise ConfigError(f"mesh.expert: {mesh.shape[AXIS]} must divide "
                               f"moe.n_experts={layer.moe.n_experts}")
-    swap = lambda node: _with_dispatch(node, dispatch) if is_moe(node) else node
+    swap = lambda node: with_dispatch(node, dispatch) if is_moe(node) else node
     return jax.tree.map(swap, model, is_leaf=is_moe)
 
 
-def _with_dispatch(layer: MoE, dispatch: ExpertParallelDispatch) -> MoE:
+def with_dispatch(layer: MoE, dispatch: Dispatch) -> MoE:
     """A copy of `layer` with another dispatch.
 
     `dispatch` is a static field, which eqx.tree_at cannot reach, and MoE.__init__ draws

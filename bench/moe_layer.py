@@ -1,0 +1,154 @@
+"""Forward+backward time of one MoE layer per dispatch mode vs a dense masked baseline.
+
+    python3 bench/moe_layer.py [--batch 8] [--seq 256] [--reps 7]
+
+One `MoE` layer (router, top-k routing, dispatch, experts) with the same weights and
+input in every mode; each rep computes its output, a scalar loss sum(y * g), and the
+gradients of every layer weight and of the input, under jit. Modes:
+  capacity  capacity per sequence (capacity_factor 1.25), pooled  one pool per batch,
+  dropless  sorted rows, blocked matmuls (the CPU kernel), and dropless ragged_dot,
+  dense     the baseline: every expert on every token, outputs masked by the routing
+            weights (0 for unchosen experts) and summed: E/top_k times the FLOPs.
+Reps of all modes alternate after warmup, so load from other processes hits them
+alike; medians and their ratio to dense are printed and written to
+bench/results/moe_layer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moelab.config import ModelConfig, MoEConfig
+from moelab.model.dispatch import Experts, get_dispatch
+from moelab.model.moe import MoE
+from moelab.model.router import Routing
+from moelab.parallel.expert import with_dispatch
+
+RESULTS = Path(__file__).parent / "results" / "moe_layer.json"
+
+
+def dense_dispatch(x, routing: Routing, experts: Experts, moe: MoEConfig):
+    """y = sum_e mask[t, e] * expert_e(x_t): every expert computes every token."""
+    b, s, d = x.shape
+    tokens = x.reshape(1, b * s, d)
+    every = experts(jnp.broadcast_to(tokens, (moe.n_experts, b * s, d)))  # [E, T, D]
+    mask = jnp.sum(jax.nn.one_hot(routing.experts, moe.n_experts)
+                   * routing.weights[..., None], axis=2).reshape(b * s, moe.n_experts)
+    return jnp.einsum("te,etd->td", mask.astype(x.dtype), every).reshape(x.shape), jnp.zeros(())
+
+
+MODES = {  # name -> (MoEConfig changes, dispatch override)
+    "capacity": ({"dispatch": "capacity", "capacity_factor": 1.25}, None),
+    "pooled": ({"dispatch": "pooled", "capacity_factor": 1.25}, None),
+    "dropless": ({"dispatch": "dropless", "dropless_impl": "blocked"}, None),
+    "dropless_ragged_dot": ({"dispatch": "dropless", "dropless_impl": "ragged"}, None),
+    "dense": ({"dispatch": "dropless"}, dense_dispatch),
+}
+
+
+def layer_for(mode: str, args: argparse.Namespace) -> MoE:
+    changes, override = MODES[mode]
+    moe = MoEConfig(n_experts=args.experts, top_k=args.top_k, **changes)
+    model = ModelConfig(d_model=args.d_model, d_ff=args.d_ff, init_std=args.init_std)
+    layer = eqx.filter_jit(MoE)(model, moe, jax.random.key(0))  # same key: same weights
+    return with_dispatch(layer, override or get_dispatch(moe))
+
+
+def step_of(layer: MoE, x, g):
+    """A call running one jitted forward+backward; returns (y, drop_frac, dx)."""
+    params, static = eqx.partition(layer, eqx.is_array)
+
+    @jax.jit
+    def step(params, x):
+        def loss(params, x):
+            y, stats = eqx.combine(params, static)(x)
+            return jnp.sum(y * g), (y, stats.drop_frac)
+
+        (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return aux, grads
+
+    def call():
+        (y, drop), (_, dx) = jax.block_until_ready(step(params, x))
+        return np.asarray(y), float(drop), np.asarray(dx)
+
+    return call
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict:
+    kx, kg = jax.random.split(jax.random.key(1))
+    shape = (args.batch, args.seq, args.d_model)
+    x, g = jax.random.normal(kx, shape), jax.random.normal(kg, shape)
+    calls = {mode: step_of(layer_for(mode, args), x, g) for mode in MODES}
+    first = {mode: call() for mode, call in calls.items()}  # compile + first warmup
+    y_dense = first["dense"][0]
+    check = {mode: {"drop_frac": drop,
+                    "max_abs_diff_y_vs_dense": float(np.max(np.abs(y - y_dense)))}
+             for mode, (y, drop, _) in first.items()}
+    for mode in ("dropless", "dropless_ragged_dot"):
+        if check[mode]["max_abs_diff_y_vs_dense"] > 1e-4:
+            raise SystemExit(f"{mode} disagrees with dense: {check[mode]}")
+    for _ in range(args.warmup - 1):
+        for call in calls.values():
+            call()
+    times = {mode: [] for mode in calls}
+    for _ in range(args.reps):
+        for mode, call in calls.items():
+            times[mode].append(timed(call))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    result = {
+        "layer": "one MoE FFN layer: router + top-k + dispatch + SwiGLU experts",
+        "pass": "forward + backward (grads of all layer weights and of the input), jit",
+        "shapes": {"batch": args.batch, "seq": args.seq, "d_model": args.d_model,
+                   "experts": args.experts, "top_k": args.top_k, "d_ff": args.d_ff},
+        "dtype": "float32", "backend": jax.default_backend(), "jax": jax.__version__,
+        "capacity_factor": 1.25, "block_size": MoEConfig().block_size,
+        "check": check, "warmup": args.warmup, "reps": args.reps,
+        "seconds": {k: [round(t, 5) for t in v] for k, v in times.items()},
+        "median_ms": {k: round(1e3 * v, 2) for k, v in median.items()},
+        "ratio_dense_over_mode": {k: round(median["dense"] / v, 3) for k, v in median.items()},
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
+                    "python": platform.python_version(), "platform": platform.platform()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'mode':<22}{'median ms':>10}{'dense/mode':>12}{'drop frac':>11}")
+    for mode in MODES:
+        print(f"{mode:<22}{1e3 * median[mode]:>10.1f}{result['ratio_dense_over_mode'][mode]:>12.2f}"
+              f"{check[mode]['drop_frac']:>11.4f}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--d-ff", type=int, default=512)
+    parser.add_argument("--init-std", type=float, default=0.02)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
