@@ -67,7 +67,7 @@ def test_supervisor_recovers_from_an_external_sigkill(tmp_path, write_config):
     assert "restart 1/2" in err
     kinds = [e["kind"] for e in events(run)]
     assert kinds[:2] == ["restart", "resume"]
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().split()]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 201))  # every step exactly once: the rewind dropped repeats
 
 

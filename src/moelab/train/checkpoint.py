@@ -26,6 +26,11 @@ SHAPE_FIELDS = {
 }
 
 
+def is_tensor(x) -> bool:
+    """An array, or the shape of one (templates for restore need no values)."""
+    return isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+
+
 def shape_mismatches(saved: dict, cfg: Config) -> list[str]:
     now = config_to_dict(cfg)
     return [f"{section}.{name}: checkpoint {saved[section].get(name)!r}, "
@@ -63,7 +68,7 @@ class Checkpointer:
             raise UserError(
                 f"checkpoint {step} in {self.manager.directory} was written by an incompatible "
                 f"config ({'; '.join(mismatches)}); use a new --run-dir or the original config")
-        params, static = eqx.partition(model, eqx.is_array)
+        params, static = eqx.partition(model, is_tensor)
         templates = {"params": jax.tree.leaves(params), "opt": jax.tree.leaves(opt_state)}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, templates)
         try:
@@ -81,13 +86,21 @@ def load_latest(run_dir: str | Path):
     from moelab.model import Transformer
     from moelab.train.optimizer import make_optimizer, trainable
 
+    if not (Path(run_dir) / "checkpoints").is_dir():
+        raise UserError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train a run first")
     ckpt = Checkpointer(Path(run_dir), keep=1_000_000)
     step = ckpt.latest_step()
     if step is None:
         raise UserError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train a run first")
     cfg = config_from_dict(ckpt.read_meta(step)["config"])
     cfg = config_from_dict({**config_to_dict(cfg), "mesh": {"data": 1, "expert": 1}})
-    model = Transformer(cfg.model, cfg.moe, jax.random.key(0))
-    opt_state = make_optimizer(cfg.optim, cfg.train.steps, None).init(trainable(model))
+    # Shapes only: building a real random model just to overwrite it costs a compile.
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+    model = eqx.filter_eval_shape(Transformer, cfg.model, cfg.moe, jax.random.key(0))
+    model = jax.tree.map(on_device, model)
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
+    opt_state = jax.tree.map(on_device, eqx.filter_eval_shape(
+        lambda m: optimizer.init(trainable(m)), model))
     model, _, _ = ckpt.restore(step, model, opt_state, cfg)
     return model, cfg, step

@@ -51,7 +51,7 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
         else:
             parts, grads = accumulated(model, batch)
         updates, opt_state = optimizer.update(grads, opt_state, trainable(model))
-        parts["grad_norm"] = optax.global_norm(grads)
+        parts["grad_norm"] = optax.tree.norm(grads)
         return eqx.apply_updates(model, updates), opt_state, parts
 
     return train_step
