@@ -65,6 +65,8 @@ def expert_parallel(model: eqx.Module, mesh: Mesh, exchange: Exchange = "auto") 
     """
     if exchange == "auto":
         exchange = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "padded"
+    if exchange not in ("padded", "ragged"):
+        raise ValueError(f"exchange: {exchange!r} is not one of 'auto', 'padded', 'ragged'")
     dispatch = ExpertParallelDispatch(mesh, exchange)
     is_moe = lambda node: isinstance(node, MoE)
     for layer in jax.tree.leaves(model, is_leaf=is_moe):
