@@ -74,7 +74,9 @@ class Trainer:
         self.mesh = make_mesh(cfg.mesh)
         self.model = build_model(cfg, self.mesh)
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
-        self.opt_state = self.optimizer.init(trainable(self.model))
+        # Placed like the params, so the first step's output layout equals its input's
+        # and the step compiles once.
+        self.opt_state = place(self.optimizer.init(trainable(self.model)), self.mesh)
         self.train_step = make_train_step(cfg, self.optimizer)
         self.eval_step = make_eval_step(cfg)
         self.lr = lr_schedule(cfg.optim, cfg.train.steps)
