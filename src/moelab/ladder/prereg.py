@@ -1,0 +1,101 @@
+"""Pre-registration: the prediction, written once before the target trains, never edited.
+
+The record is created with os.link from a fully written temporary file: link is atomic and
+fails if the name exists, so a record is either absent or complete, and an existing one is
+never overwritten (the O_EXCL guarantee without a half-written file after a crash). It is
+then made read-only. Its sha256 covers every other field, so an edit is detected when a
+later `ladder run` or `ladder report` reads it back.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from moelab.config import Config, config_to_dict
+from moelab.errors import UserError
+
+PREREG_FILE = "preregistration.json"
+KIND = "moelab.ladder.preregistration/1"
+
+
+def config_sha256(config: Config) -> str:
+    return hashlib.sha256(json.dumps(config_to_dict(config), sort_keys=True).encode()).hexdigest()
+
+
+def record_sha256(record: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of every field but "sha256" itself."""
+    body = {k: v for k, v in record.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def code_version() -> dict[str, Any]:
+    """The git commit of moelab's own source tree and whether tracked files differ from it
+    (then the commit alone does not reproduce the code); None outside a git checkout."""
+    where = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(where), *args], capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": dirty}
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def write_once(path: Path, record: dict[str, Any]) -> bool:
+    """Create `path` holding `record` (plus its sha256) unless it exists; True if created."""
+    record = {**record, "sha256": record_sha256(record)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "x") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    path.chmod(0o444)
+    return True
+
+
+def read(path: Path) -> dict[str, Any]:
+    """The record at `path`, checked against its own sha256."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read the pre-registration {path}: {err}") from err
+    if record.get("kind") != KIND or record.get("sha256") != record_sha256(record):
+        raise UserError(f"{path} does not match its own sha256: the pre-registration was "
+                        "edited after it was written. Restore it from a backup, or start the "
+                        "ladder over in a new out directory")
+    return record
+
+
+def check_matches(record: dict[str, Any], path: Path, runs: dict[str, str]) -> None:
+    """Refuse a pre-registration made for other configs ({run name: config sha256})."""
+    registered = {r["name"]: r["config_sha256"] for r in record["rungs"]}
+    registered[record["target"]["name"]] = record["target"]["config_sha256"]
+    changed = sorted(name for name in set(runs) | set(registered)
+                     if runs.get(name) != registered.get(name))
+    if changed:
+        raise UserError(
+            f"{path} pre-registered a prediction for other configs than this spec's (changed "
+            f"or added/removed: {', '.join(changed)}); a pre-registration is never edited, so "
+            "restore the spec it was made for, or run the new ladder with another --out")
