@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from moelab.config import Config, LossConfig, ModelConfig, MoEConfig, OptimConfig, config_from_dict
@@ -67,14 +68,27 @@ def test_gradient_accumulation_matches_one_big_batch():
         cfg = dataclasses.replace(base, optim=OptimConfig(grad_accum=accum, warmup_steps=0))
         model = Transformer(cfg.model, cfg.moe, jax.random.key(1))
         opt = make_optimizer(cfg.optim, 10, None)
-        new, _, parts = make_train_step(cfg, opt)(model, opt.init(trainable(model)), tokens)
-        results.append((new, parts))
-    (m1, p1), (m4, p4) = results
+        _, state, parts = make_train_step(cfg, opt)(model, opt.init(trainable(model)), tokens)
+        results.append((state, parts))
+    (s1, p1), (s4, p4) = results
     np.testing.assert_allclose(p1["ce"], p4["ce"], rtol=1e-5)
     np.testing.assert_allclose(p1["grad_norm"], p4["grad_norm"], rtol=1e-4)
-    for a, b in zip(jax.tree.leaves(eqx.filter(m1, eqx.is_array)),
-                    jax.tree.leaves(eqx.filter(m4, eqx.is_array)), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    # Accumulation must give the same gradient, so compare what Adam stores from it: after
+    # one step mu = (1 - b1) * g and nu = (1 - b2) * g^2 (clipping is inactive at this
+    # norm). The parameters themselves are not comparable: Adam's first update is
+    # lr * g / (|g| + eps), so a gradient near eps = 1e-8 turns a float32 rounding
+    # difference of ~1e-9 into a parameter difference of order lr, on any CPU whose
+    # reduction order differs. The gradients are means over 128 tokens summed in a
+    # different order (4 micro-batches vs 1); float32 summation error is bounded by
+    # n * 2^-24 * sum|terms| ~ 1e-5 of the gradient's scale. The scale is the whole
+    # gradient's, not each leaf's: with top_k=1 the router's true gradient is exactly zero
+    # (the renormalized combine weight is 1) and that leaf holds only rounding noise.
+    for key in ("mu", "nu"):
+        a_leaves = [np.asarray(x) for x in jax.tree.leaves(optax.tree_utils.tree_get(s1, key))]
+        b_leaves = [np.asarray(x) for x in jax.tree.leaves(optax.tree_utils.tree_get(s4, key))]
+        scale = max(float(np.abs(a).max()) for a in a_leaves)
+        for a, b in zip(a_leaves, b_leaves, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * scale)
 
 
 def test_bf16_compute_runs_and_keeps_float32_params():
