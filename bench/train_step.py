@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
 
 from moelab.config import Config, load_config, replace
 from moelab.model import Transformer
@@ -41,11 +41,6 @@ from moelab.train.optimizer import make_optimizer, trainable
 from moelab.train.step import make_train_step
 
 RESULTS = Path(__file__).parent / "results" / "train_step.json"
-BUSY_PER_CORE = 0.5
-
-
-def load_per_core() -> float:
-    return os.getloadavg()[0] / (os.cpu_count() or 1)
 
 
 def matmul_peak(n: int = 2048, reps: int = 10) -> float:
@@ -146,16 +141,10 @@ def main() -> None:
         "tiny_preset": speed,
         "param_opt_bytes_per_device": memory,
         "fsdp8_over_fsdp1": memory["fsdp8"] / memory["fsdp1"],
-        "load_per_core": {"before": load_before, "after": load_after},
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "jax": jax.__version__, "backend": jax.default_backend()},
+        "machine": describe(load_before, load_after),
     }
     print(json.dumps(result, indent=2))
-    busy = max(load_before, load_after) > BUSY_PER_CORE
-    if busy and not args.force:
-        raise SystemExit(f"machine busy (load {max(load_before, load_after):.2f} per core > "
-                         f"{BUSY_PER_CORE}): results not written; rerun when idle or --force")
-    result["busy"] = busy
+    refuse_if_busy(result["machine"], args.force)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS}")
