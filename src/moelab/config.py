@@ -17,9 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config that cannot work; the message names the field and the fix."""
+from moelab.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -7,20 +7,33 @@ to a lab experiment, every step and event is mirrored into its SQLite store too.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from moelab.train.metrics import JsonlLog
-
-LAB_RUN_FILE = "lab_run.json"  # remembers the lab run id across restarts of one run dir
+from moelab.train.rundir import EVENTS_FILE, LAB_RUN_FILE, METRICS_FILE
 
 
 class RunLog:
     def __init__(self, run_dir: Path, experiment: str | None, config: dict):
-        self.metrics = JsonlLog(run_dir / "metrics.jsonl")
-        self.events = JsonlLog(run_dir / "events.jsonl")
+        self.metrics = JsonlLog(run_dir / METRICS_FILE)
+        self.events = JsonlLog(run_dir / EVENTS_FILE)
         self.store, self.run_id = None, None
         if experiment:
             self._attach(run_dir, experiment, config)
+        self._repair()
+
+    def _repair(self) -> None:
+        """Cut lines torn by a kill or a full disk, and say so: appending after a torn
+        line would glue two records into one unreadable line."""
+        for log in (self.metrics, self.events):
+            torn = log.repair()
+            if torn:
+                message = (f"{log.path.name}: removed a torn last line ({len(torn)} bytes: "
+                           f"{torn[:60]!r}), left by an interrupted write")
+                print(message, file=sys.stderr, flush=True)
+                last = self.metrics.read()
+                self.event(last[-1]["step"] if last else 0, "torn_line", message)
 
     def _attach(self, run_dir: Path, experiment: str, config: dict) -> None:
         from moelab.lab.store import Store, default_lab_path
@@ -47,6 +60,10 @@ class RunLog:
     def finish(self, status: str, message: str = "") -> None:
         if self.store is not None:
             self.store.finish_run(self.run_id, status, message)
+
+    def last_record(self, step: int) -> dict:
+        """The metrics logged for `step` (a finished run's summary), or {}."""
+        return next((r for r in reversed(self.metrics.read()) if r.get("step") == step), {})
 
     def rewind_to(self, step: int) -> None:
         """Forget metrics of steps after `step`: they are about to be recomputed."""

@@ -8,6 +8,7 @@ never crashed.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -17,24 +18,22 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from moelab.config import Config, ConfigError, DataConfig, config_to_dict, dump_config
+from moelab.config import Config, ConfigError, DataConfig, config_to_dict
 from moelab.data.loader import Loader, read_meta
-from moelab.errors import UserError
+from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.model import Transformer
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, make_mesh, place
 from moelab.train.checkpoint import Checkpointer
+from moelab.train.interrupt import StopRequest
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import lr_schedule, make_optimizer, trainable
+from moelab.train.rundir import RunDirLock, check_identity, record_config_change
 from moelab.train.runlog import RunLog
 from moelab.train.spikes import SpikeDetector
 from moelab.train.step import make_eval_step, make_train_step
 
 FAULT_ENV = "MOELAB_FAULT_AT_STEP"  # test hook: SIGKILL this process when reaching that step
-
-
-class DivergenceError(RuntimeError):
-    """The loss or gradient became non-finite; the last good checkpoint is kept."""
 
 
 def prepared_data(cfg: Config) -> Path:
@@ -62,9 +61,12 @@ def build_model(cfg: Config, mesh):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, experiment: str | None = None):
+    def __init__(self, cfg: Config, run_dir: Path, experiment: str | None = None,
+                 allow_config_change: bool = False, stop: StopRequest | None = None):
         self.cfg, self.run_dir = cfg, run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
+        self.stop = stop or StopRequest()
+        # Before anything is written: a refused config leaves the run dir as it was.
+        self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
         d = cfg.data
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed)
@@ -83,17 +85,16 @@ class Trainer:
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
-        self.ckpt = Checkpointer(run_dir, t.keep_checkpoints)
+        self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, writer=True)
         self.log = RunLog(run_dir, experiment, config_to_dict(cfg))
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
         self.step = self._resume()
+        self._record_config_change()
 
     def _resume(self) -> int:
-        step = self.ckpt.latest_step()
-        if step is None:
+        found = self.ckpt.restore_latest_good(self.model, self.opt_state, self.cfg)
+        if found is None:
             return 0
-        self.model, self.opt_state, meta = self.ckpt.restore(
-            step, self.model, self.opt_state, self.cfg)
+        self.model, self.opt_state, meta, step = found
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
             self.detectors[name].load_state_dict(state)
@@ -102,11 +103,37 @@ class Trainer:
         print(f"resumed from checkpoint at step {step}")
         return step
 
+    def _record_config_change(self) -> None:
+        if self.config_changes:
+            path = record_config_change(self.run_dir, self.cfg, self.step)
+            changed = {k: {"old": a, "new": b} for k, (a, b) in self.config_changes.items()}
+            self.log.event(self.step, "config_change",
+                           f"config changed at step {self.step} (saved as {path.name}): "
+                           f"{json.dumps(changed)}")
+
     def save(self) -> None:
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
                  "detectors": {k: d.state_dict() for k, d in self.detectors.items()}}
-        self.ckpt.save(self.step, self.model, self.opt_state, state)
+        try:
+            self.ckpt.save(self.step, self.model, self.opt_state, state)
+        except DivergenceError as err:
+            self._diverged(str(err))
+
+    def _maybe_stop(self) -> None:
+        """On SIGTERM/SIGINT: save this step (unless just saved) and stop."""
+        if not self.stop:
+            return
+        if self.ckpt.latest_step() != self.step:
+            self.save()
+        self.log.event(self.step, "interrupted", f"stopped by signal {self.stop.signal}; "
+                       f"checkpoint {self.step} saved")
+        raise Interrupted(self.step)
+
+    def _diverged(self, message: str) -> None:
+        self.log.event(self.step, "nan", message)
+        self.log.finish("failed", message)
+        raise DivergenceError(message)
 
     def evaluate(self) -> dict[str, float]:
         out = {}
@@ -121,7 +148,8 @@ class Trainer:
 
     def run(self) -> dict:
         t, tokens_per_step = self.cfg.train, self.cfg.data.batch_size * self.cfg.data.seq_len
-        started, first, record = time.time(), self.step, {}
+        started, first, record = time.time(), self.step, self.log.last_record(self.step)
+        self._maybe_stop()
         while self.step < t.steps:
             self._maybe_fault()
             tick = time.time()
@@ -138,6 +166,7 @@ class Trainer:
                 self.save()
             if self.step % t.log_every == 0 or self.step == t.steps:
                 self._print_progress(record, started, first)
+            self._maybe_stop()
         self.log.finish("succeeded")
         return {"step": self.step, **record}
 
@@ -155,11 +184,11 @@ class Trainer:
     def _check_finite(self, record: dict) -> None:
         bad = [k for k in ("loss", "grad_norm") if not math.isfinite(record[k])]
         if bad:
-            message = (f"non-finite {' and '.join(bad)} at step {self.step}; stopping without "
-                       f"saving, so checkpoint {self.ckpt.latest_step()} stays the last good one")
-            self.log.event(self.step, "nan", message)
-            self.log.finish("failed", message)
-            raise DivergenceError(message)
+            last = self.ckpt.latest_step()
+            kept = ("no checkpoint was saved before it" if last is None
+                    else f"checkpoint {last} stays the last good one")
+            self._diverged(f"non-finite {' and '.join(bad)} at step {self.step}; stopping "
+                           f"without saving, so {kept}")
 
     def _flag_spikes(self, record: dict) -> None:
         for name, detector in self.detectors.items():
@@ -182,9 +211,15 @@ class Trainer:
               f"eta={eta:.0f}s {vals}".rstrip(), flush=True)
 
 
-def train(cfg: Config, run_dir: str | Path, experiment: str | None = None) -> dict:
-    """Train (or resume) the run in `run_dir`; returns the last step's metrics."""
+def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
+          allow_config_change: bool = False) -> dict:
+    """Train (or resume) the run in `run_dir`; returns the last step's metrics.
+
+    Holds the run dir's lock throughout (a second trainer is refused) and turns
+    SIGTERM/SIGINT into a checkpoint and `errors.Interrupted`.
+    """
     try:
-        return Trainer(cfg, Path(run_dir), experiment).run()
+        with RunDirLock(Path(run_dir)), StopRequest() as stop:
+            return Trainer(cfg, Path(run_dir), experiment, allow_config_change, stop).run()
     except FileNotFoundError as err:
         raise UserError(str(err)) from err
