@@ -18,6 +18,7 @@ is stored beside them and checked before anything is restored.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -110,6 +111,16 @@ def verify_step(step_dir: Path) -> str | None:
     return None
 
 
+def _disk_full(err: BaseException | None) -> bool:
+    """Whether an error, or one it was raised from, is a full disk or quota."""
+    while err is not None:
+        if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+                "No space left" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def count_nonfinite(arrays: Any) -> tuple[int, int]:
     """(arrays with a NaN or Inf, arrays) over the float leaves of a pytree."""
     leaves = [x for x in jax.tree.leaves(arrays) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -169,11 +180,19 @@ class Checkpointer:
                 f"checkpoint {last} stays the last good one"
             raise DivergenceError(f"{bad} of {total} parameter/optimizer arrays are non-finite "
                                   f"after the update of step {step}; not saving them, {kept}")
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(run_state)))
-        self.manager.wait_until_finished()
-        if jax.process_index() == 0:
-            write_integrity(self.directory / str(step))
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(run_state)))
+            self.manager.wait_until_finished()
+            if jax.process_index() == 0:
+                write_integrity(self.directory / str(step))
+        except Exception as err:
+            if not _disk_full(err):
+                raise
+            # Orbax wraps the OS error; say it plainly. The unfinished save is a temporary
+            # directory (or lacks its integrity record) and the next start discards it.
+            raise OSError(errno.ENOSPC, f"no space left on the device while saving checkpoint "
+                          f"{step} to {self.directory}") from err
 
     def read_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[

@@ -26,7 +26,8 @@ class StopRequest:
         self.signal: int | None = None
         self._previous: dict[int, object] = {}
 
-    def __bool__(self) -> bool:
+    @property
+    def requested(self) -> bool:
         return self.signal is not None
 
     def _handle(self, signum: int, frame) -> None:

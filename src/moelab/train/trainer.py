@@ -64,7 +64,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, experiment: str | None = None,
                  allow_config_change: bool = False, stop: StopRequest | None = None):
         self.cfg, self.run_dir = cfg, run_dir
-        self.stop = stop or StopRequest()
+        self.stop = stop if stop is not None else StopRequest()
         # Before anything is written: a refused config leaves the run dir as it was.
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
@@ -122,7 +122,7 @@ class Trainer:
 
     def _maybe_stop(self) -> None:
         """On SIGTERM/SIGINT: save this step (unless just saved) and stop."""
-        if not self.stop:
+        if not self.stop.requested:
             return
         if self.ckpt.latest_step() != self.step:
             self.save()
