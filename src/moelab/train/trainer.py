@@ -26,6 +26,7 @@ from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, make_mesh, place
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.interrupt import StopRequest
+from moelab.train.memory import check_fits
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import lr_schedule, make_optimizer, trainable
 from moelab.train.rundir import RunDirLock, check_identity, record_config_change
@@ -73,6 +74,7 @@ class Trainer:
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
         initialize_distributed(cfg.distributed)  # before any device is touched; no-op on 1 host
+        check_fits(cfg)  # before allocating: a clear error, not an XLA out-of-memory
         self.mesh = make_mesh(cfg.mesh)
         self.model = build_model(cfg, self.mesh)
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
