@@ -21,17 +21,20 @@ import jax.numpy as jnp
 import pytest
 
 from moelab.cli import main
-from moelab.config import config_from_dict
+from moelab.config import config_from_dict, load_config, replace
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.train.checkpoint import INTEGRITY_FILE, Checkpointer, load_latest, write_integrity
+from moelab.train.cli import default_run_dir
 from moelab.train.metrics import JsonlLog
 from moelab.train.rundir import (
     CHECKPOINT_DIR,
+    CONFIG_FILE,
     EVENTS_FILE,
     METRICS_FILE,
     QUARANTINE_DIR,
     WORKER_PID_FILE,
     RunDirLock,
+    current_config_path,
 )
 from moelab.train.trainer import Trainer, train
 
@@ -220,6 +223,40 @@ def test_jsonl_torn_only_at_the_end(tmp_path):
         log.read()
 
 
+# ------------------------------------------------------------------------- run identity
+
+
+def test_a_changed_config_is_refused_naming_fields_and_leaves_the_run_untouched(
+        cfg, clean, tmp_path):
+    run = copy_run(clean, tmp_path)
+    before = (run / CONFIG_FILE).read_bytes()
+    changed = replace(cfg, optim={"lr": 1e-3}, train={"eval_every": 3})
+    with pytest.raises(UserError, match=r"optim.lr: run 0.003, now 0.001; train.eval_every: "
+                                        r"run 6, now 3.*--allow-config-change"):
+        train(changed, run)
+    assert (run / CONFIG_FILE).read_bytes() == before
+    assert losses(run) == losses(clean)
+
+
+def test_an_allowed_change_is_recorded_and_a_no_op_resume_reports_the_final_metrics(
+        cfg, clean, tmp_path):
+    run = copy_run(clean, tmp_path)
+    changed = replace(cfg, train={"log_every": 3})
+    summary = train(changed, run, allow_config_change=True)
+    assert summary["loss"] == losses(clean)[STEPS]  # the run's own last loss, not NaN
+    change = [e for e in JsonlLog(run / EVENTS_FILE).read() if e["kind"] == "config_change"]
+    assert len(change) == 1 and '"train.log_every": {"old": 4, "new": 3}' in change[0]["message"]
+    assert current_config_path(run).name == f"config.step-{STEPS}.yaml"
+    assert load_config(current_config_path(run)) == changed
+    train(changed, run)  # the accepted config is now the run's: no flag needed again
+
+
+def test_set_without_run_dir_gets_its_own_run_dir():
+    assert default_run_dir("tiny", []) == Path("runs/tiny")
+    assert default_run_dir("configs/a.yaml", ["optim.lr=1e-3", "train.steps=5"]) == \
+        Path("runs/a-optim.lr=1e-3-train.steps=5")
+
+
 # ------------------------------------------------------------------------- full disk
 
 
@@ -298,6 +335,7 @@ def test_disk_full_during_a_metrics_write_then_resume(cfg, clean, small_disk, mo
 # ------------------------------------------------------------------------- processes
 
 
+@pytest.mark.slow  # a supervisor and its worker: two fresh processes, ~30 s
 def test_supervisor_killed_leaves_no_orphan_worker(write_config, tmp_path):
     config = write_config(train={"steps": 100_000, "checkpoint_every": 1000})
     run = tmp_path / "run"
