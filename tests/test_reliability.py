@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 
 from moelab.cli import main
-from moelab.config import config_from_dict, load_config, replace
+from moelab.config import config_from_dict, config_to_dict, load_config, replace
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.train.checkpoint import INTEGRITY_FILE, Checkpointer, load_latest, write_integrity
 from moelab.train.cli import default_run_dir
@@ -30,6 +30,7 @@ from moelab.train.rundir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     EVENTS_FILE,
+    LAB_RUN_FILE,
     METRICS_FILE,
     QUARANTINE_DIR,
     WORKER_PID_FILE,
@@ -249,6 +250,19 @@ def test_an_allowed_change_is_recorded_and_a_no_op_resume_reports_the_final_metr
     assert current_config_path(run).name == f"config.step-{STEPS}.yaml"
     assert load_config(current_config_path(run)) == changed
     train(changed, run)  # the accepted config is now the run's: no flag needed again
+
+
+def test_experiment_refuses_a_run_config_that_differs_from_its_snapshot(
+        cfg, tmp_path, monkeypatch):
+    from moelab.lab.store import Store
+
+    monkeypatch.setenv("MOELAB_LAB", str(tmp_path / "lab.sqlite"))
+    exp = Store(tmp_path / "lab.sqlite").new_experiment("e", "h", config_to_dict(cfg), None)
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match=f"differs from experiment {exp}'s snapshot "
+                                        r"\(optim.lr: experiment 0.003, run 0.001\)"):
+        train(replace(cfg, optim={"lr": 1e-3}), run, experiment=exp)
+    assert not (run / CONFIG_FILE).exists() and not (run / LAB_RUN_FILE).exists()
 
 
 def test_set_without_run_dir_gets_its_own_run_dir():

@@ -103,15 +103,14 @@ def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, 
     """Compare `cfg` with the run's config; refuse a change unless `allow_change`.
 
     Returns the accepted changes ({} for a fresh run or an identical config); the caller
-    records them with `record_config_change` once it knows the step they take effect at.
-    Writes config.yaml on the first start only, so a refused start leaves it untouched.
+    saves them with `save_config` once the start has passed every other check and it
+    knows the step they take effect at. Writes nothing, so a refused start leaves the
+    run directory as it was.
     """
     import yaml
 
     path = current_config_path(run_dir)
     if not path.exists():
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        path.write_text(dump_config(cfg))
         return {}
     try:
         saved = yaml.safe_load(path.read_text())
@@ -129,8 +128,12 @@ def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, 
     return changes
 
 
-def record_config_change(run_dir: Path, cfg: Config, step: int) -> Path:
-    """Save an accepted config beside the old ones, as the one later starts compare with."""
-    path = Path(run_dir) / f"config.step-{step}.yaml"
+def save_config(run_dir: Path, cfg: Config, step: int, changed: bool) -> Path | None:
+    """Write config.yaml on the first start; after an accepted change, save the new config
+    beside the old ones as the one later starts compare with. Returns the file written."""
+    first = Path(run_dir) / CONFIG_FILE
+    if first.exists() and not changed:
+        return None
+    path = Path(run_dir) / f"config.step-{step}.yaml" if first.exists() else first
     path.write_text(dump_config(cfg))
     return path

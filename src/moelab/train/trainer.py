@@ -29,7 +29,7 @@ from moelab.train.interrupt import StopRequest
 from moelab.train.memory import check_fits
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import lr_schedule, make_optimizer, trainable
-from moelab.train.rundir import RunDirLock, check_identity, record_config_change
+from moelab.train.rundir import RunDirLock, check_identity, save_config
 from moelab.train.runlog import RunLog
 from moelab.train.spikes import SpikeDetector
 from moelab.train.step import make_eval_step, make_train_step
@@ -88,9 +88,9 @@ class Trainer:
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
         self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, writer=True)
-        self.log = RunLog(run_dir, experiment, config_to_dict(cfg))
+        self.log = RunLog(run_dir, experiment, config_to_dict(cfg), allow_config_change)
         self.step = self._resume()
-        self._record_config_change()
+        self._save_config()
 
     def _resume(self) -> int:
         found = self.ckpt.restore_latest_good(self.model, self.opt_state, self.cfg)
@@ -105,9 +105,9 @@ class Trainer:
         print(f"resumed from checkpoint at step {step}")
         return step
 
-    def _record_config_change(self) -> None:
+    def _save_config(self) -> None:
+        path = save_config(self.run_dir, self.cfg, self.step, bool(self.config_changes))
         if self.config_changes:
-            path = record_config_change(self.run_dir, self.cfg, self.step)
             changed = {k: {"old": a, "new": b} for k, (a, b) in self.config_changes.items()}
             self.log.event(self.step, "config_change",
                            f"config changed at step {self.step} (saved as {path.name}): "
