@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import COMPILE_CACHE
 
 from moelab.cli import main
 from moelab.config import config_from_dict, config_to_dict, load_config, replace
@@ -44,7 +45,7 @@ STEPS = 12  # checkpoints at 4, 8, 12, all three kept
 
 @pytest.fixture(scope="module")
 def cfg(small_corpus):
-    from conftest import COMPILE_CACHE, tiny_config
+    from conftest import tiny_config
 
     # Each Trainer jits its step afresh: the disk cache makes the recompiles cheap.
     jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE["JAX_COMPILATION_CACHE_DIR"])
@@ -349,26 +350,31 @@ def test_disk_full_during_a_metrics_write_then_resume(cfg, clean, small_disk, mo
 # ------------------------------------------------------------------------- processes
 
 
-@pytest.mark.slow  # a supervisor and its worker: two fresh processes, ~30 s
-def test_supervisor_killed_leaves_no_orphan_worker(write_config, tmp_path):
+@pytest.mark.slow  # a supervisor and its worker: two fresh processes, ~30 s each
+@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM])
+def test_supervisor_stopped_or_killed_leaves_no_orphan_worker(kill, write_config, tmp_path):
+    """SIGKILL: the kernel sends the worker SIGTERM (parent-death signal); SIGTERM: the
+    supervisor forwards it. Either way the worker saves a checkpoint and stops."""
     config = write_config(train={"steps": 100_000, "checkpoint_every": 1000})
     run = tmp_path / "run"
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "moelab.cli", "train", "--config", str(config), "--run-dir",
-         str(run), "--max-restarts", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         str(run), "--max-restarts", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, **COMPILE_CACHE})
     deadline = time.time() + 300
     while not (run / METRICS_FILE).exists():  # the worker is training
         assert time.time() < deadline and supervisor.poll() is None
         time.sleep(0.1)
     worker = int((run / WORKER_PID_FILE).read_text())
-    supervisor.kill()
-    supervisor.wait()
+    supervisor.send_signal(kill)
+    _, err = supervisor.communicate(timeout=120)
+    assert supervisor.returncode == (-9 if kill == signal.SIGKILL else 130), err
     deadline = time.time() + 120
     while Path(f"/proc/{worker}").exists() and "Z" not in _state(worker):
         assert time.time() < deadline, "the worker outlived its supervisor"
         time.sleep(0.1)
-    # It died the graceful way: SIGTERM from the kernel, a checkpoint, a clean stop.
     assert kinds(run)[-1][0] == "interrupted"
+    assert "restart" not in [k for k, _ in kinds(run)]  # stopped, not crashed
     assert main(["checkpoint", "verify", str(run)]) == 0
 
 

@@ -11,7 +11,7 @@ import errno
 import importlib
 import sys
 
-from moelab.errors import EXIT_FAILED, EXIT_USER_ERROR, UserError
+from moelab.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 
 PARTS = [
     "moelab.data.cli",
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError) as err:  # ConfigError is a UserError
         print(f"moelab {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C before training installed its own handler
+        print(f"moelab {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
