@@ -8,6 +8,10 @@ import pytest
 import yaml
 
 STDLIB = sysconfig.get_paths()["stdlib"]
+# Every test process compiles the same tiny programs: share them through JAX's disk cache.
+COMPILE_CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 SMALL_SOURCES = {
     "code": [f"{STDLIB}/json/*.py", f"{STDLIB}/email/*.py", f"{STDLIB}/logging/*.py"],
     "prose": ["/usr/share/common-licenses/*", "/usr/share/doc/*/copyright"],

@@ -7,13 +7,9 @@ import sys
 import time
 
 import numpy as np
+from conftest import COMPILE_CACHE
 
 from moelab.train.trainer import FAULT_ENV
-
-# Every test process compiles the same tiny programs: share them through JAX's disk cache.
-COMPILE_CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
-                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def moelab_train(config, run_dir, *extra, env=None, check=True):
