@@ -26,12 +26,17 @@ class MoEStats(eqx.Module):
     router_z: Float[Array, ""]
     drop_frac: Float[Array, ""]  # fraction of token-assignments dropped by capacity
     tokens_per_expert: Float[Array, " E"]
+    router_entropy: Float[Array, ""]
+    quantile_bias: Float[Array, " E"]  # moe.balance=bias_quantile: next step's bias
 
 
 class MoE(eqx.Module):
     router: Float[Array, "D E"]
     experts: Experts
     shared: SwiGLU | None
+    # Selection bias (moe.balance=bias_*), in score space; not trained: moelab.model.balance
+    # updates it after each optimizer step and keeps it out of the optimizer.
+    bias: Float[Array, " E"] | None
     moe: MoEConfig = eqx.field(static=True)
     dispatch: Dispatch = eqx.field(static=True)
 
@@ -41,12 +46,13 @@ class MoE(eqx.Module):
         self.experts = Experts(moe.n_experts, cfg.d_model, cfg.d_ff, cfg.init_std, ke)
         d_shared = moe.d_ff_shared or cfg.d_ff
         self.shared = SwiGLU(cfg.d_model, d_shared, cfg.init_std, ks) if moe.shared_expert else None
+        self.bias = None if moe.balance == "aux_loss" else jnp.zeros(moe.n_experts, jnp.float32)
         self.moe = moe
         self.dispatch = get_dispatch(moe)
 
     def __call__(self, x: Float[Array, "B S D"]) -> tuple[Float[Array, "B S D"], MoEStats]:
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router.astype(jnp.float32))
-        routing, router_stats = route(logits, self.moe)
+        routing, router_stats = route(logits, self.moe, self.bias)
         y, dropped = self.dispatch(x, routing, self.experts, self.moe)
         if self.shared is not None:
             y = y + self.shared(x)
@@ -55,5 +61,7 @@ class MoE(eqx.Module):
             router_z=router_stats.router_z,
             drop_frac=dropped / routing.experts.size,
             tokens_per_expert=router_stats.tokens_per_expert,
+            router_entropy=router_stats.entropy,
+            quantile_bias=router_stats.quantile_bias,
         )
         return y, stats
