@@ -57,7 +57,7 @@ def build_model(cfg: Config, mesh):
     if cfg.mesh.expert > 1:
         from moelab.parallel.expert import expert_parallel
 
-        model = expert_parallel(model, mesh)
+        model = expert_parallel(model, mesh, cfg.mesh.exchange)
     return model
 
 
@@ -146,7 +146,8 @@ class Trainer:
         record = {k: float(parts[k]) for k in
                   ("loss", "ce", "aux_loss", "router_z", "logit_z", "grad_norm")}
         record.update(lr=float(lr), tokens_per_s=tokens_per_s, mfu=mfu(self.cfg, tokens_per_s))
-        for name in ("drop_frac", "router_entropy", "bias_range"):
+        for name in ("drop_frac", "sender_drop_frac", "padding_frac", "router_entropy",
+                     "bias_range"):
             for i, value in enumerate(np.atleast_1d(parts.get(name, []))):
                 record[f"{name}/layer_{i}"] = float(value)
         for i, load in enumerate(np.asarray(parts.get("tokens_per_expert", np.zeros((0, 1))))):
