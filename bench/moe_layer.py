@@ -31,7 +31,7 @@ import numpy as np
 from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
 
 from moelab.config import ModelConfig, MoEConfig
-from moelab.model.dispatch import Experts, get_dispatch
+from moelab.model.dispatch import Drops, Experts, get_dispatch
 from moelab.model.moe import MoE
 from moelab.model.router import Routing
 from moelab.parallel.expert import with_dispatch
@@ -46,7 +46,8 @@ def dense_dispatch(x, routing: Routing, experts: Experts, moe: MoEConfig):
     every = experts(jnp.broadcast_to(tokens, (moe.n_experts, b * s, d)))  # [E, T, D]
     mask = jnp.sum(jax.nn.one_hot(routing.experts, moe.n_experts)
                    * routing.weights[..., None], axis=2).reshape(b * s, moe.n_experts)
-    return jnp.einsum("te,etd->td", mask.astype(x.dtype), every).reshape(x.shape), jnp.zeros(())
+    y = jnp.einsum("te,etd->td", mask.astype(x.dtype), every).reshape(x.shape)
+    return y, Drops.at_expert(0)
 
 
 def swiglu_dispatch(x, routing: Routing, experts: Experts, moe: MoEConfig):
@@ -75,7 +76,7 @@ def layer_for(mode: str, args: argparse.Namespace) -> MoE:
     changes, override = MODES[mode]
     moe = MoEConfig(n_experts=args.experts, top_k=args.top_k, **changes)
     model = ModelConfig(d_model=args.d_model, d_ff=args.d_ff, init_std=args.init_std)
-    layer = eqx.filter_jit(MoE)(model, moe, jax.random.key(0))  # same key: same weights
+    layer = eqx.filter_jit(MoE.init)(model, moe, jax.random.key(0))  # same key: same weights
     return with_dispatch(layer, override or get_dispatch(moe))
 
 

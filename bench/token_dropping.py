@@ -114,7 +114,7 @@ def dropped_count(experts: jax.Array, n_experts: int, dispatch: str, capacity_fa
         grouped = Routing(experts.reshape(groups, -1, k), ones.reshape(groups, -1, k))
         _, dropped = grouped_dispatch(jnp.zeros((groups, b * length // groups, 1)), grouped,
                                       lambda slots: slots, moe)
-    return dropped
+    return dropped.total
 
 
 def measure(model, cfg, batches: int, tokens_per_batch: int) -> dict:

@@ -18,6 +18,8 @@ TOL = 1e-5
 DEVICES = 8
 LAYER_CASES = [(e, d) for e in (2, 4, 8) for d in ("capacity", "pooled", "dropless")]
 RAGGED_CASES = [2, 4, 8]  # dropless through ragged_all_to_all (emulated: CPU lacks it)
+RING_CASES = [(8, "capacity"), (4, "pooled"), (8, "dropless"), (2, "dropless")]
+WAVE_CASES = [(8, 1), (4, 3)]  # (expert shards, waves); 8 / shards data shards
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,25 @@ def test_moe_layer_matches_single_device(report, n_experts, dispatch):
 def test_ragged_exchange_matches_single_device(report, n_experts):
     case = report[f"ragged/dropless/E{n_experts}"]
     assert case["forward"] < TOL and case["grads"] < TOL, case
+
+
+@pytest.mark.parametrize("n_experts,dispatch", RING_CASES)
+def test_ring_exchange_matches_single_device(report, n_experts, dispatch):
+    case = report[f"ring/{dispatch}/E{n_experts}"]
+    assert case["forward"] < TOL and case["grads"] < TOL, case
+    assert case["drops"] == case["drops_single"]
+    if dispatch == "capacity":
+        assert case["drops"][0] > 0  # each expert group counts its drops once
+
+
+@pytest.mark.parametrize("n_experts,waves", WAVE_CASES)
+def test_pooled_wave_exchange_matches_the_rule_on_one_device(report, n_experts, waves):
+    """The same rule simulated on one device over n_experts virtual senders per data group."""
+    case = report[f"wave/E{n_experts}/waves{waves}"]
+    assert case["forward"] < TOL and case["grads"] < TOL, case
+    assert case["drops"] == case["drops_single"]
+    total, sender, padding = case["drops"]
+    assert 0 < sender < total and padding > 0  # sender and receiver drops both happen
 
 
 def test_jitted_model_step_matches_single_device(report):
@@ -93,6 +114,7 @@ def compare(fn, module, inputs, mesh, exchange="auto", parallel_module=None) -> 
     """
     import equinox as eqx
     import jax
+    import numpy as np
 
     from moelab.parallel.expert import expert_parallel
     from moelab.parallel.mesh import batch_sharding, place
@@ -102,33 +124,66 @@ def compare(fn, module, inputs, mesh, exchange="auto", parallel_module=None) -> 
     sharded = expert_parallel(place(parallel_module or module, mesh), mesh, exchange)
     (v1, (o1, d1)), g1 = step(sharded, jax.device_put(inputs, batch_sharding(mesh)))
     return {"forward": max_diff((v0, o0), (v1, o1)), "grads": max_diff(g0, g1),
-            "drop_frac": float(d1.sum()), "drop_frac_single": float(d0.sum())}
+            "drop_frac": float(d1.sum()), "drop_frac_single": float(d0.sum()),
+            "drops": np.asarray(d1).tolist(),
+            "drops_single": np.asarray(d0).tolist()}
 
 
-def layer_case(n_experts: int, dispatch: str, exchange: str = "auto", parallel_pool: int = 2
-               ) -> dict:
+def layer_case(n_experts: int, dispatch: str, exchange: str = "auto", parallel_pool: int = 2,
+               single_dispatch=None, **moe) -> dict:
+    """`single_dispatch` (default: the layer's own) is the one-device path compared with."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
 
     from moelab.config import MeshConfig, ModelConfig, MoEConfig
     from moelab.model.moe import MoE
+    from moelab.parallel.expert import with_dispatch
     from moelab.parallel.mesh import make_mesh
 
-    make = lambda pool: eqx.filter_jit(MoE)(  # under jit: eager init compiles op by op
+    make = lambda pool: eqx.filter_jit(MoE.init)(  # under jit: eager init compiles op by op
         ModelConfig(d_model=8, d_ff=8, init_std=0.5),
         MoEConfig(n_experts=n_experts, top_k=min(2, n_experts - 1), dispatch=dispatch,
-                  capacity_factor=1.0, pool_size=pool, block_size=4),
+                  capacity_factor=1.0, pool_size=pool, block_size=4, **moe),
         jax.random.key(n_experts))
     x = jax.random.normal(jax.random.key(1), (2 * DEVICES, 4, 8))  # 2 sequences per device
     probe = jax.random.normal(jax.random.key(2), x.shape)
 
     def fn(layer, x):
         y, stats = layer(x)
-        return jnp.mean(y * probe), (y, stats.drop_frac)
+        drops = jnp.stack([stats.drop_frac, stats.sender_drop_frac, stats.padding_frac])
+        return jnp.mean(y * probe), (y, drops)
 
     mesh = make_mesh(MeshConfig(data=DEVICES // n_experts, expert=n_experts))
-    return compare(fn, make(2), x, mesh, exchange, make(parallel_pool))
+    single = make(2)
+    if single_dispatch is not None:
+        single = with_dispatch(single, single_dispatch)
+    return compare(fn, single, x, mesh, exchange, make(parallel_pool))
+
+
+def wave_case(n_experts: int, waves: int) -> dict:
+    """pooled_wave over the mesh vs. its one-device simulation, per data group."""
+    from functools import partial
+
+    from moelab.model.dispatch.pooled_wave import pooled_wave_dispatch
+
+    groups = DEVICES // n_experts
+    one = partial(pooled_wave_dispatch, shards=n_experts)
+    return layer_case(n_experts, "pooled_wave", single_dispatch=partial(per_group, one, groups),
+                      waves=waves)
+
+
+def per_group(dispatch, groups, x, routing, experts, moe):
+    """`dispatch` on each of `groups` consecutive slices of the batch; drops summed."""
+    import jax
+    import jax.numpy as jnp
+
+    split = lambda a: jnp.split(a, groups)
+    parts = [dispatch(xg, type(routing)(*rg), experts, moe)
+             for xg, *rg in zip(split(x), split(routing.experts), split(routing.weights),
+                                strict=True)]
+    ys, drops = zip(*parts, strict=True)
+    return jnp.concatenate(ys), jax.tree.map(lambda *a: sum(a), *drops)
 
 
 def model_case() -> dict:
@@ -147,7 +202,7 @@ def model_case() -> dict:
     def fn(model, tokens):
         logits, stats, _ = model(tokens[:, :-1])
         loss, parts = objective(logits, tokens[:, 1:], stats, LossConfig())
-        return loss, (loss, parts["drop_frac"])
+        return loss, (loss, parts["drop_frac"][:, None])
 
     return compare(fn, model, tokens, make_mesh(MeshConfig(data=2, expert=4)))
 
@@ -159,6 +214,8 @@ def main() -> None:
     jax.lax.ragged_all_to_all = emulated_ragged_all_to_all
     out |= {f"ragged/dropless/E{e}": layer_case(e, "dropless", "ragged") for e in RAGGED_CASES}
     out["layer/pooled-0-vs-local/E4"] = layer_case(4, "pooled", parallel_pool=0)
+    out |= {f"ring/{d}/E{e}": layer_case(e, d, "ring") for e, d in RING_CASES}
+    out |= {f"wave/E{e}/waves{w}": wave_case(e, w) for e, w in WAVE_CASES}
     out["model/dropless/E4"] = model_case()
     print(json.dumps(out))
 

@@ -60,12 +60,23 @@ class MoEConfig:
     top_k: int = 2
     router: Literal["softmax", "sigmoid"] = "softmax"
     normalize_top_k: bool = True  # renormalize the k selected weights to sum to 1
+    routed_scaling: float = 1.0  # multiplies the routed weights (DeepSeek-V3/GLM-4.5 style)
+    # aux_loss: only loss.aux_weight balances. bias_sign / bias_quantile: a per-expert bias,
+    # added to the scores for the top-k *selection* only, is updated after every optimizer
+    # step from the global batch's expert loads (set loss.aux_weight: 0 for no aux loss).
+    balance: Literal["aux_loss", "bias_sign", "bias_quantile"] = "aux_loss"
+    bias_rate: float = 1e-3  # bias_sign: bias_e += bias_rate * sign(mean_load - load_e)
     shared_expert: bool = False  # an always-on expert beside the routed ones
     d_ff_shared: int = 0  # 0 means d_ff
-    dispatch: Literal["capacity", "pooled", "dropless"] = "dropless"
+    dispatch: Literal["capacity", "pooled", "pooled_wave", "dropless"] = "dropless"
     # capacity/pooled: each expert takes ceil(capacity_factor * group_tokens * top_k / n_experts)
     capacity_factor: float = 1.25
     pool_size: int = 0  # pooled: sequences per capacity pool; 0 means the whole (local) batch
+    # pooled_wave: an expert's capacity is pooled over every sender of the expert group and
+    # filled round-robin over them; each sender ships at most
+    # ceil(send_capacity_factor * local_tokens * top_k / expert_shards) rows to each peer,
+    send_capacity_factor: float = 1.25
+    waves: int = 1  # ... in this many all_to_all rounds (less peak memory, same numbers)
     # dropless: "auto" picks ragged_dot on GPU/TPU and padded block matmuls on CPU
     dropless_impl: Literal["auto", "ragged", "blocked"] = "auto"
     block_size: int = 64  # rows per block of the CPU dropless path
@@ -133,6 +144,10 @@ class MeshConfig:
     data: int = 1  # pure data parallelism: parameters replicated
     fsdp: int = 1  # data parallelism with parameters and optimizer state sharded
     expert: int = 1  # expert parallelism: routed experts split, tokens exchanged
+    # how tokens reach experts on other devices: padded/ragged all_to_all (dropless),
+    # or ring (all-gather tokens, compute local experts, psum-scatter back); auto picks
+    # ragged on GPU/TPU and padded elsewhere. moe.dispatch pooled_wave brings its own.
+    exchange: Literal["auto", "padded", "ragged", "ring"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -306,6 +321,8 @@ BOUNDS = {
     "train.spike_window": (">", 0), "train.spike_threshold": (">", 0),
     "train.peak_flops": (">=", 0), "mesh.data": (">", 0), "mesh.fsdp": (">", 0),
     "mesh.expert": (">", 0),
+    "moe.send_capacity_factor": (">", 0), "moe.waves": (">", 0),
+    "moe.routed_scaling": (">", 0), "moe.bias_rate": (">=", 0),
     "distributed.num_processes": (">=", 0),
 }
 
@@ -352,6 +369,8 @@ def validate(config: Config) -> None:
     _require(moe.top_k <= moe.n_experts, "moe.top_k",
              f"{moe.top_k} exceeds moe.n_experts={moe.n_experts}")
     _require(moe.pool_size >= 0, "moe.pool_size", "must be >= 0 (0 = whole batch)")
+    _require(moe.balance != "bias_quantile" or moe.top_k < moe.n_experts, "moe.balance",
+             "bias_quantile needs a (top_k+1)-th choice: moe.top_k must be < moe.n_experts")
     _require(moe.pool_size == 0 or d.batch_size % moe.pool_size == 0, "moe.pool_size",
              f"{moe.pool_size} must divide data.batch_size={d.batch_size}")
     _require(d.batch_size % config.optim.grad_accum == 0, "optim.grad_accum",
@@ -373,6 +392,8 @@ def _validate_mesh(config: Config) -> None:
     _require(micro % shards == 0, "data.batch_size",
              f"the micro-batch of {micro} sequences must split evenly over "
              f"mesh.data x mesh.fsdp x mesh.expert = {shards} devices")
+    _require(mesh.exchange != "ring" or moe.dispatch != "pooled_wave", "mesh.exchange",
+             "ring does not apply to moe.dispatch=pooled_wave (it has its own all_to_all)")
     if moe.dispatch == "pooled" and moe.pool_size and shards > 1:
         local = micro // shards
         _require(local % moe.pool_size == 0, "moe.pool_size",

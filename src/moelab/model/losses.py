@@ -43,4 +43,8 @@ def objective(
     if stats is not None:
         parts["drop_frac"] = stats.drop_frac  # [L_moe]
         parts["tokens_per_expert"] = stats.tokens_per_expert  # [L_moe, E]
+        parts["router_entropy"] = stats.router_entropy  # [L_moe]
+        parts["sender_drop_frac"] = stats.sender_drop_frac  # [L_moe]
+        parts["padding_frac"] = stats.padding_frac  # [L_moe]
+        parts["quantile_bias"] = stats.quantile_bias  # [L_moe, E]
     return total, parts

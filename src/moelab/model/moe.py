@@ -29,29 +29,41 @@ class MoEStats(eqx.Module):
 
     aux_loss: Float[Array, ""]
     router_z: Float[Array, ""]
-    drop_frac: Float[Array, ""]  # fraction of token-assignments dropped by capacity
+    drop_frac: Float[Array, ""]  # fraction of token-assignments dropped (sender + receiver)
+    sender_drop_frac: Float[Array, ""]  # pooled_wave: cut by a sender's transport block
+    padding_frac: Float[Array, ""]  # pooled_wave: empty send-buffer rows per assignment
     tokens_per_expert: Float[Array, " E"]
+    router_entropy: Float[Array, ""]
+    quantile_bias: Float[Array, " E"]  # moe.balance=bias_quantile: next step's bias
 
 
 class MoE(eqx.Module):
     router: Float[Array, "D E"]
     experts: Experts
     shared: SwiGLU | None
+    # Selection bias (moe.balance=bias_*), in score space; not trained: moelab.model.balance
+    # updates it after each optimizer step and keeps it out of the optimizer.
+    bias: Float[Array, " E"] | None
     moe: MoEConfig = eqx.field(static=True)
     dispatch: Dispatch = eqx.field(static=True)
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, key: PRNGKeyArray):
+    @classmethod
+    def init(cls, cfg: ModelConfig, moe: MoEConfig, key: PRNGKeyArray) -> MoE:
+        """Fresh weights; the fields stay plain, so `dataclasses.replace` swaps any of them."""
         kr, ke, ks = jax.random.split(key, 3)
-        self.router = normal(kr, (cfg.d_model, moe.n_experts), cfg.init_std)
-        self.experts = Experts(moe.n_experts, cfg.d_model, cfg.d_ff, cfg.init_std, ke)
         d_shared = moe.d_ff_shared or cfg.d_ff
-        self.shared = SwiGLU(cfg.d_model, d_shared, cfg.init_std, ks) if moe.shared_expert else None
-        self.moe = moe
-        self.dispatch = get_dispatch(moe)
+        return cls(
+            router=normal(kr, (cfg.d_model, moe.n_experts), cfg.init_std),
+            experts=Experts(moe.n_experts, cfg.d_model, cfg.d_ff, cfg.init_std, ke),
+            shared=SwiGLU(cfg.d_model, d_shared, cfg.init_std, ks) if moe.shared_expert else None,
+            bias=None if moe.balance == "aux_loss" else jnp.zeros(moe.n_experts, jnp.float32),
+            moe=moe,
+            dispatch=get_dispatch(moe),
+        )
 
     def __call__(self, x: Float[Array, "B S D"]) -> tuple[Float[Array, "B S D"], MoEStats]:
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router.astype(jnp.float32))
-        routing, router_stats = route(logits, self.moe)
+        routing, router_stats = route(logits, self.moe, self.bias)
         routing = checkpoint_name(routing, "moe_routing")
         y, dropped = self.dispatch(x, routing, self.experts, self.moe)
         y = checkpoint_name(y, "moe_out")
@@ -60,7 +72,11 @@ class MoE(eqx.Module):
         stats = MoEStats(
             aux_loss=router_stats.aux_loss,
             router_z=router_stats.router_z,
-            drop_frac=dropped / routing.experts.size,
+            drop_frac=dropped.total / routing.experts.size,
+            sender_drop_frac=dropped.sender / routing.experts.size,
+            padding_frac=dropped.padding / routing.experts.size,
             tokens_per_expert=router_stats.tokens_per_expert,
+            router_entropy=router_stats.entropy,
+            quantile_bias=router_stats.quantile_bias,
         )
         return y, stats

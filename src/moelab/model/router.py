@@ -1,12 +1,18 @@
 """Top-k routing of tokens to experts, and the two losses that keep routing healthy.
 
   scores  = softmax(x W_r)  or  sigmoid(x W_r)            [T, E]
-  experts = top_k(scores);  weights = scores[experts] (renormalized to sum 1 if asked)
+  experts = top_k(scores + bias)      (bias: selection only, never weights nor gradient)
+  weights = scores[experts] (renormalized to sum 1 if asked) * routed_scaling
   aux     = E * sum_e f_e * P_e        (Switch; f_e = share of assignments, P_e = mean prob)
   z       = mean_t logsumexp(x W_r)^2  (router z-loss; keeps router logits small)
+
+The bias lives in score space, as transformers' Glm4Moe / DeepseekV3
+`e_score_correction_bias` does, so a bias-balanced model exports exactly.
 """
 
 from __future__ import annotations
+
+import math
 
 import equinox as eqx
 import jax
@@ -27,23 +33,34 @@ class RouterStats(eqx.Module):
     aux_loss: Float[Array, ""]
     router_z: Float[Array, ""]
     tokens_per_expert: Float[Array, " E"]  # assignments received, before any capacity cut
+    entropy: Float[Array, ""]  # mean over tokens of the entropy of the routing distribution
+    quantile_bias: Float[Array, " E"]  # bias_quantile: the bias for the next step (else 0)
 
 
 def route(
-    logits: Float[Array, "B S E"], moe: MoEConfig
+    logits: Float[Array, "B S E"], moe: MoEConfig, bias: Float[Array, " E"] | None = None
 ) -> tuple[Routing, RouterStats]:
     """Choose top_k experts per token from router logits (float32)."""
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, -1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
-    top_scores, experts = jax.lax.top_k(scores, moe.top_k)
+    choice = scores
+    if bias is not None:
+        choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    _, experts = jax.lax.top_k(choice, moe.top_k)
+    top_scores = jnp.take_along_axis(scores, experts, axis=-1)
     if moe.normalize_top_k:
         top_scores = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
+    if moe.routed_scaling != 1.0:
+        top_scores = top_scores * moe.routed_scaling
     counts = jnp.sum(jax.nn.one_hot(experts, moe.n_experts), axis=(0, 1, 2))
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)  # sigmoid scores -> a distribution
     stats = RouterStats(
         aux_loss=load_balancing_loss(counts, probs),
         router_z=jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
         tokens_per_expert=counts,
+        entropy=jax.lax.stop_gradient(-jnp.mean(jnp.sum(probs * jnp.log(probs + 1e-30), -1))),
+        quantile_bias=(quantile_bias(choice, bias, moe.top_k) if moe.balance == "bias_quantile"
+                       else jnp.zeros(moe.n_experts)),
     )
     return Routing(experts, top_scores), stats
 
@@ -54,3 +71,33 @@ def load_balancing_loss(counts: Float[Array, " E"], probs: Float[Array, "B S E"]
     assignment_share = counts / jnp.sum(counts)
     mean_prob = jnp.mean(probs.reshape(-1, n_experts), axis=0)
     return n_experts * jnp.sum(assignment_share * mean_prob)
+
+
+def quantile_bias(
+    choice: Float[Array, "B S E"], bias: Float[Array, " E"], top_k: int
+) -> Float[Array, " E"]:
+    """Marin's "QB" rule: the bias that would give every expert its share of this batch.
+
+    The new bias is bias - share_margin(...), zero-meaned (only differences between
+    experts change a top-k).
+    """
+    new = bias.astype(jnp.float32) - share_margin(choice, top_k)
+    return new - jnp.mean(new)
+
+
+def share_margin(choice: Float[Array, "B S E"], top_k: int) -> Float[Array, " E"]:
+    """beta_e: how far expert e's fair share of tokens sits above the selection line.
+
+    A token picks expert e when e's biased score beats the k-th best of the *other*
+    experts' (the token's (k+1)-th choice if e is picked, its k-th if not); call the
+    difference e's margin on that token. With C = ceil(T * k / E) the expert's fair share,
+    beta_e is its C-th largest margin over the batch: moving e's bias by -beta_e, the
+    others held, leaves exactly C tokens with a positive margin.
+    """
+    n_experts = choice.shape[-1]
+    flat = jax.lax.stop_gradient(choice.reshape(-1, n_experts))
+    top = jax.lax.top_k(flat, top_k + 1)[0]
+    kth, next_ = top[:, top_k - 1:top_k], top[:, top_k:]
+    margin = flat - jnp.where(flat >= kth, next_, kth)
+    share = math.ceil(flat.shape[0] * top_k / n_experts)
+    return jax.lax.top_k(margin.T, share)[0][:, -1]

@@ -38,7 +38,8 @@ class Block(eqx.Module):
         self.attn = Attention(cfg, ka)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         d_dense = cfg.d_ff_dense or cfg.d_ff * moe.top_k
-        self.ffn = SwiGLU(cfg.d_model, d_dense, cfg.init_std, kf) if dense else MoE(cfg, moe, kf)
+        self.ffn = (SwiGLU(cfg.d_model, d_dense, cfg.init_std, kf) if dense
+                    else MoE.init(cfg, moe, kf))
 
     def __call__(self, x, cos, sin, cache=None, cache_index=0):
         attended, cache = self.attn(self.attn_norm(x), cos, sin, cache, cache_index)

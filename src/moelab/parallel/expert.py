@@ -29,6 +29,18 @@ rows, which a dense `all_to_all` cannot express. Two ways, same numbers:
     computed from the same count table. XLA:CPU does not implement it, so on CPU it is
     exercised only against an all_gather emulation in the tests.
 "auto" picks ragged on GPU/TPU and padded elsewhere.
+
+Ring exchange (`exchange="ring"`, Marin's default): all-gather the expert group's tokens
+and routing, let each device run its local experts on every gathered assignment meant for
+them (capacity slots or sorted rows, computed exactly as on one device), and psum-scatter
+the partial outputs back to their owners. Any dispatch but pooled_wave; no row bound,
+ep x the activations in memory.
+
+Pooled wave (`moe.dispatch: pooled_wave`): see moelab.model.dispatch.pooled_wave for the
+rule. Each device plans its own rows from the all-gathered table of rows shipped per
+expert, sends fixed blocks of S rows per peer with their slot number beside them, in
+`moe.waves` all_to_all rounds; receivers scatter them into expert slots, compute, and
+return the outputs the same way.
 """
 
 from __future__ import annotations
@@ -46,15 +58,21 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from moelab.config import ConfigError, MoEConfig
-from moelab.model.dispatch import Dispatch, Experts
+from moelab.model.dispatch import Dispatch, Drops, Experts
 from moelab.model.dispatch.capacity import grouped_dispatch, in_groups, local_experts
 from moelab.model.dispatch.dropless import Sorted, grouped_experts, sorted_dispatch
+from moelab.model.dispatch.pooled_wave import (
+    pooled_rank,
+    send_plan,
+    wave_capacities,
+    wave_drops,
+)
 from moelab.model.moe import MoE
 from moelab.model.router import Routing
 from moelab.parallel.mesh import AXES, BATCH, EXPERT
 
 AXIS = "expert"  # the mesh axis experts (and the exchange) are split over
-Exchange = Literal["auto", "padded", "ragged"]
+Exchange = Literal["auto", "padded", "ragged", "ring"]
 
 
 def expert_parallel(model: eqx.Module, mesh: Mesh, exchange: Exchange = "auto") -> eqx.Module:
@@ -65,8 +83,9 @@ def expert_parallel(model: eqx.Module, mesh: Mesh, exchange: Exchange = "auto") 
     """
     if exchange == "auto":
         exchange = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "padded"
-    if exchange not in ("padded", "ragged"):
-        raise ValueError(f"exchange: {exchange!r} is not one of 'auto', 'padded', 'ragged'")
+    if exchange not in ("padded", "ragged", "ring"):
+        raise ValueError(f"exchange: {exchange!r} is not one of 'auto', 'padded', 'ragged', "
+                         "'ring'")
     dispatch = ExpertParallelDispatch(mesh, exchange)
     is_moe = lambda node: isinstance(node, MoE)
     for layer in jax.tree.leaves(model, is_leaf=is_moe):
@@ -78,16 +97,8 @@ def expert_parallel(model: eqx.Module, mesh: Mesh, exchange: Exchange = "auto") 
 
 
 def with_dispatch(layer: MoE, dispatch: Dispatch) -> MoE:
-    """A copy of `layer` with another dispatch.
-
-    `dispatch` is a static field, which eqx.tree_at cannot reach, and MoE.__init__ draws
-    fresh weights; so copy the fields onto a bare instance, as equinox's unflatten does.
-    """
-    new = object.__new__(MoE)
-    for f in dataclasses.fields(layer):
-        object.__setattr__(new, f.name, getattr(layer, f.name))
-    object.__setattr__(new, "dispatch", dispatch)
-    return new
+    """A copy of `layer` with another dispatch (a static field, so not eqx.tree_at)."""
+    return dataclasses.replace(layer, dispatch=dispatch)
 
 
 @dataclass(frozen=True)
@@ -99,11 +110,11 @@ class ExpertParallelDispatch:
     """
 
     mesh: Mesh
-    exchange: Literal["padded", "ragged"]
+    exchange: Literal["padded", "ragged", "ring"]
 
     def __call__(
         self, x: Float[Array, "B S D"], routing: Routing, experts: Experts, moe: MoEConfig
-    ) -> tuple[Float[Array, "B S D"], Array]:
+    ) -> tuple[Float[Array, "B S D"], Drops]:
         devices = self.mesh.size
         if x.shape[0] % devices:
             raise ConfigError(f"data.batch_size: the (micro-)batch of {x.shape[0]} sequences "
@@ -114,6 +125,10 @@ class ExpertParallelDispatch:
                              out_specs=(BATCH, P()))(x, routing, experts)
 
 
+def _psum(drops: Drops, axes) -> Drops:
+    return jax.tree.map(lambda a: jax.lax.psum(a, axes), drops)
+
+
 def _local_dispatch(
     x: Float[Array, "b S D"],
     routing: Routing,
@@ -122,19 +137,23 @@ def _local_dispatch(
     moe: MoEConfig,
     ep: int,
     exchange: str,
-) -> tuple[Float[Array, "b S D"], Array]:
-    """One device's part: its b sequences, its E / ep experts; the dropped count is global."""
+) -> tuple[Float[Array, "b S D"], Drops]:
+    """One device's part: its b sequences, its E / ep experts; the drop counts are global."""
+    if moe.dispatch == "pooled_wave":
+        return _pooled_wave(x, routing, experts, moe=moe, ep=ep)
+    if exchange == "ring":
+        return _ring(x, routing, experts, moe=moe, ep=ep)
     if moe.dispatch == "dropless":
         exchange_rows = _padded_rows if exchange == "padded" else _ragged_rows
         compute = partial(exchange_rows, experts=experts, moe=moe, ep=ep)
-        y, dropped = sorted_dispatch(x, routing, compute, moe), jnp.zeros((), jnp.int32)
+        y, dropped = sorted_dispatch(x, routing, compute, moe), Drops.at_expert(0)
     else:
         per_group = 1 if moe.dispatch == "capacity" else moe.pool_size or x.shape[0]
         xg, rg = in_groups(x, routing, per_group)
         yg, dropped = grouped_dispatch(xg, rg, partial(_exchange_slots, experts=experts, ep=ep),
                                        moe)
         y = yg.reshape(x.shape)
-    return y, jax.lax.psum(dropped, AXES)  # summed over every device
+    return y, _psum(dropped, AXES)  # summed over every device
 
 
 # ------------------------------------------------------------------ capacity / pooled
@@ -232,3 +251,96 @@ def _ragged_rows(
     out = _compute_received(received, recv_start, table[:, me], experts, moe)
     return jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), recv_start, recv_sizes,
                                      back_at, send_sizes, axis_name=AXIS)
+
+
+# ----------------------------------------------------------------------------- ring
+
+
+def _ring(
+    x: Float[Array, "b S D"], routing: Routing, experts: Experts, *, moe: MoEConfig, ep: int
+) -> tuple[Float[Array, "b S D"], Drops]:
+    """All-gather the group's tokens, run local experts on their share, psum-scatter back.
+
+    Capacity groups are the same as under all_to_all (pool_size 0 = one device's batch),
+    so every device of the group counts the same drops: the count is summed over data only.
+    """
+    gather = lambda a: jax.lax.all_gather(a, AXIS, axis=0, tiled=True)
+    xs, rs = gather(x), jax.tree.map(gather, routing)
+    first = jax.lax.axis_index(AXIS) * (moe.n_experts // ep)  # my first expert
+    if moe.dispatch == "dropless":
+        compute = partial(_local_rows, experts=experts, moe=moe, first=first)
+        y, dropped = sorted_dispatch(xs, rs, compute, moe), Drops.at_expert(0)
+    else:
+        per_group = 1 if moe.dispatch == "capacity" else moe.pool_size or x.shape[0]
+        xg, rg = in_groups(xs, rs, per_group)
+        compute = partial(_local_slots, experts=experts, first=first)
+        yg, dropped = grouped_dispatch(xg, rg, compute, moe)
+        y = yg.reshape(xs.shape)
+    y = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
+    # equal on every device of the group: pmax only marks the count replicated over it
+    return y, jax.tree.map(lambda a: jax.lax.pmax(a, AXIS), _psum(dropped, "data"))
+
+
+def _local_slots(
+    slots: Float[Array, "G E C D"], *, experts: Experts, first: Array
+) -> Float[Array, "G E C D"]:
+    """My experts' slots computed; every other expert's output left zero."""
+    e_loc = experts.n_experts
+    mine = jax.lax.dynamic_slice_in_dim(slots, first, e_loc, axis=1)
+    out = local_experts(experts)(mine)
+    return jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(slots), out, first, axis=1)
+
+
+def _local_rows(
+    rows: Float[Array, "A D"], s: Sorted, *, experts: Experts, moe: MoEConfig, first: Array
+) -> Float[Array, "A D"]:
+    """Rows sorted by expert; mine computed, the others zero.
+
+    Rows of experts before (after) mine ride with my first (last) expert, which keeps the
+    order sorted for the grouped kernel; their outputs are masked to zero.
+    """
+    e_loc = experts.n_experts
+    local = s.expert - first
+    mine = (local >= 0) & (local < e_loc)
+    key = jnp.clip(local, 0, e_loc - 1)
+    sizes = jnp.bincount(key, length=e_loc).astype(jnp.int32)
+    out = grouped_experts(rows, Sorted(order=s.order, expert=key, group_sizes=sizes), experts,
+                          moe)
+    return jnp.where(mine[:, None], out, 0.0)
+
+
+# ---------------------------------------------------------------------- pooled wave
+
+
+def _pooled_wave(
+    x: Float[Array, "b S D"], routing: Routing, experts: Experts, *, moe: MoEConfig, ep: int
+) -> tuple[Float[Array, "b S D"], Drops]:
+    """The pooled-wave rule of moelab.model.dispatch.pooled_wave over the expert group."""
+    b, s_len, d = x.shape
+    k, e_loc = moe.top_k, moe.n_experts // ep
+    es, ws = routing.experts.reshape(-1, k), routing.weights.reshape(-1, k)
+    send_cap, keep_cap = wave_capacities(es.shape[0], moe, ep)
+    plan = send_plan(es, moe.n_experts, ep, send_cap)
+    table = jax.lax.all_gather(plan.counts, AXIS)  # [ep(src), E]: rows shipped per expert
+    rank = pooled_rank(plan, es, jax.lax.axis_index(AXIS), table)
+    kept = plan.sent & (rank < keep_cap)
+    n_slots = e_loc * keep_cap  # a receiver's slots; index n_slots marks "drop"
+    slot = jnp.where(kept, (es % e_loc) * keep_cap + rank, n_slots)
+    wave = -(-send_cap // moe.waves)
+    pos = jnp.where(plan.sent, plan.pos, wave * moe.waves)  # unsent: off the buffer
+    rows = jnp.broadcast_to(x.reshape(-1, 1, d), (*es.shape, d))
+    send = jnp.zeros((ep, wave * moe.waves, d), x.dtype).at[plan.dst, pos].set(rows, mode="drop")
+    meta = jnp.full((ep, wave * moe.waves), n_slots).at[plan.dst, pos].set(slot, mode="drop")
+    swap = lambda a: jax.lax.all_to_all(a, AXIS, 0, 0, tiled=True)
+    chunks = [slice(w * wave, (w + 1) * wave) for w in range(moe.waves)]
+    slots, metas = jnp.zeros((n_slots, d), x.dtype), []
+    for chunk in chunks:  # ship in waves: only one wave's rows are in flight at a time
+        got, where = swap(send[:, chunk]), swap(meta[:, chunk])
+        slots = slots.at[where.reshape(-1)].add(got.reshape(-1, d), mode="drop")
+        metas.append(where)
+    out = experts(slots.reshape(e_loc, keep_cap, d)).reshape(n_slots, d)
+    back = jnp.concatenate(
+        [swap(out.at[where].get(mode="fill", fill_value=0)) for where in metas], axis=1)
+    picked = back.at[plan.dst, pos].get(mode="fill", fill_value=0)  # [T, K, D]
+    y = jnp.einsum("tk,tkd->td", jnp.where(kept, ws, 0.0).astype(x.dtype), picked)
+    return y.reshape(b, s_len, d), _psum(wave_drops(plan.sent, kept, ep * send_cap), AXES)

@@ -12,6 +12,7 @@ import jax
 import optax
 
 from moelab.config import OptimConfig
+from moelab.model.balance import without_bias
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -50,5 +51,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params) -> optax.Gradient
 
 
 def trainable(model):
-    """The array leaves optax updates (equinox modules also hold static fields)."""
-    return eqx.filter(model, eqx.is_array)
+    """The array leaves optax updates: not static fields, not the routers' selection bias
+    (moved by its own rule after each step, so Adam state and weight decay never touch it)."""
+    return without_bias(eqx.filter(model, eqx.is_array))

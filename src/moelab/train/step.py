@@ -16,6 +16,7 @@ import optax
 
 from moelab.config import Config
 from moelab.model import objective
+from moelab.model.balance import bias_range, update_bias
 from moelab.train.optimizer import trainable
 
 
@@ -57,9 +58,11 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, donate
             (_, parts), grads = grad_fn(model, batch)
         else:
             parts, grads = accumulated(model, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable(model))
+        updates, opt_state = optimizer.update(trainable(grads), opt_state, trainable(model))
         parts["grad_norm"] = optax.tree.norm(grads)
-        return eqx.filter(eqx.apply_updates(model, updates), eqx.is_array), opt_state, parts
+        model = update_bias(eqx.apply_updates(model, updates), parts, cfg.moe)
+        parts["bias_range"] = bias_range(model)
+        return eqx.filter(model, eqx.is_array), opt_state, parts
 
     return TrainStep(step, donate)
 

@@ -59,7 +59,7 @@ def build_model(cfg: Config, mesh):
     if cfg.mesh.expert > 1:
         from moelab.parallel.expert import expert_parallel
 
-        model = expert_parallel(model, mesh)
+        model = expert_parallel(model, mesh, cfg.mesh.exchange)
     return model
 
 
@@ -202,8 +202,10 @@ class Trainer:
         record = {k: float(parts[k]) for k in
                   ("loss", "ce", "aux_loss", "router_z", "logit_z", "grad_norm")}
         record.update(lr=float(lr), tokens_per_s=tokens_per_s, mfu=mfu(self.cfg, tokens_per_s))
-        for i, drop in enumerate(np.atleast_1d(parts.get("drop_frac", []))):
-            record[f"drop_frac/layer_{i}"] = float(drop)
+        for name in ("drop_frac", "sender_drop_frac", "padding_frac", "router_entropy",
+                     "bias_range"):
+            for i, value in enumerate(np.atleast_1d(parts.get(name, []))):
+                record[f"{name}/layer_{i}"] = float(value)
         for i, load in enumerate(np.asarray(parts.get("tokens_per_expert", np.zeros((0, 1))))):
             record[f"expert_load_max_over_mean/layer_{i}"] = float(load.max() / load.mean())
         return record

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from moelab.config import MoEConfig, capacity
+from moelab.model.dispatch.drops import Drops
 from moelab.model.dispatch.experts import Experts
 from moelab.model.router import Routing
 
@@ -73,13 +74,13 @@ def local_experts(experts: Experts) -> ExpertCompute:
 
 def grouped_dispatch(
     x: Float[Array, "G N D"], routing: Routing, compute: ExpertCompute, moe: MoEConfig
-) -> tuple[Float[Array, "G N D"], Array]:
+) -> tuple[Float[Array, "G N D"], Drops]:
     """Capacity dispatch within each group; returns outputs and the dropped count."""
     cap = capacity(x.shape[1], moe)
     slot = slot_in_expert(routing.experts, moe.n_experts)
     slots = to_slots(x, routing.experts, slot, cap, moe.n_experts)
     y = from_slots(compute(slots), routing, slot, cap)
-    return y, jnp.sum(slot >= cap)
+    return y, Drops.at_expert(jnp.sum(slot >= cap))
 
 
 def in_groups(x: Array, routing: Routing, sequences_per_group: int):
@@ -90,14 +91,14 @@ def in_groups(x: Array, routing: Routing, sequences_per_group: int):
 
 def capacity_dispatch(
     x: Float[Array, "B S D"], routing: Routing, experts: Experts, moe: MoEConfig
-) -> tuple[Float[Array, "B S D"], Array]:
+) -> tuple[Float[Array, "B S D"], Drops]:
     """Capacity per sequence (GShard's default group)."""
     return grouped_dispatch(x, routing, local_experts(experts), moe)
 
 
 def pooled_dispatch(
     x: Float[Array, "B S D"], routing: Routing, experts: Experts, moe: MoEConfig
-) -> tuple[Float[Array, "B S D"], Array]:
+) -> tuple[Float[Array, "B S D"], Drops]:
     """Capacity shared by `pool_size` sequences (0 = the whole batch)."""
     pool = moe.pool_size or x.shape[0]
     xg, rg = in_groups(x, routing, pool)

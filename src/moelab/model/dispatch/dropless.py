@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from moelab.config import MoEConfig
+from moelab.model.dispatch.drops import Drops
 from moelab.model.dispatch.experts import Experts
 from moelab.model.router import Routing
 
@@ -100,7 +101,7 @@ def sorted_dispatch(
 
 def dropless_dispatch(
     x: Float[Array, "B S D"], routing: Routing, experts: Experts, moe: MoEConfig
-) -> tuple[Float[Array, "B S D"], Array]:
+) -> tuple[Float[Array, "B S D"], Drops]:
     """Every assignment is computed: y[t] = sum_k w[t, k] * expert_{e[t, k]}(x[t])."""
     compute = lambda rows, s: grouped_experts(rows, s, experts, moe)
-    return sorted_dispatch(x, routing, compute, moe), jnp.zeros((), jnp.int32)
+    return sorted_dispatch(x, routing, compute, moe), Drops.at_expert(0)

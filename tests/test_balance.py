@@ -1,0 +1,163 @@
+"""Auxiliary-loss-free balancing: the selection bias, its two update rules, and its state."""
+
+import json
+import math
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moelab.config import Config, ConfigError, ModelConfig, MoEConfig, config_from_dict
+from moelab.model import Transformer
+from moelab.model.balance import moe_layers, sign_rule, update_bias, without_bias
+from moelab.model.router import quantile_bias, route, share_margin
+from moelab.train.optimizer import make_optimizer, trainable
+from moelab.train.step import make_train_step
+
+SIGMOID = MoEConfig(n_experts=8, top_k=2, router="sigmoid")
+
+
+def test_bias_changes_the_choice_but_not_the_weights_nor_the_gradient():
+    logits = jax.random.normal(jax.random.key(0), (2, 16, 8))
+    bias = jnp.zeros(8).at[3].set(2.0)  # sigmoid scores < 1: expert 3 always wins
+    routing, _ = route(logits, SIGMOID, bias)
+    assert bool(jnp.all(jnp.any(routing.experts == 3, axis=-1)))
+    scores = jax.nn.sigmoid(logits)
+    picked = jnp.take_along_axis(scores, routing.experts, -1)
+    np.testing.assert_array_equal(routing.weights, picked / picked.sum(-1, keepdims=True))
+
+    def weight_sum(bias):
+        r, _ = route(logits, SIGMOID, bias)
+        return jnp.sum(r.weights * jnp.arange(2.0))
+
+    assert not bool(jnp.any(jax.grad(weight_sum)(bias)))
+
+
+def test_routed_scaling_multiplies_the_normalized_weights():
+    logits = jax.random.normal(jax.random.key(0), (1, 4, 8))
+    routing, _ = route(logits, MoEConfig(n_experts=8, top_k=2, router="sigmoid",
+                                         routed_scaling=2.5))
+    np.testing.assert_allclose(routing.weights.sum(-1), 2.5, rtol=1e-6)
+
+
+def test_sign_rule_moves_toward_the_mean_and_stays_zero_mean_per_layer():
+    load = jnp.array([[10.0, 11.0, 12.0, 47.0], [20.0, 20.0, 20.0, 20.0]])  # stacked [L, E]
+    new = sign_rule(jnp.zeros((2, 4)), load, 0.01)
+    # signs +, +, +, - ; minus their mean 0.005
+    np.testing.assert_allclose(new[0], [0.005, 0.005, 0.005, -0.015], atol=1e-7)
+    np.testing.assert_array_equal(new[1], 0.0)  # balanced: nothing moves
+
+
+def test_quantile_rule_gives_each_expert_exactly_its_share():
+    """Moving one expert by -beta_e (the others held) makes exactly C tokens pick it.
+
+    Scores are continuous random numbers, so ties (where "exactly" could fail) have
+    probability zero; the margin at the C-th token is then strictly above the (C+1)-th.
+    """
+    tokens, n_experts, k = 96, 8, 2
+    scores = jax.nn.sigmoid(jax.random.normal(jax.random.key(3), (1, tokens, n_experts)))
+    bias = 0.1 * jax.random.normal(jax.random.key(4), (n_experts,))
+    beta = share_margin(scores + bias, k)
+    share = math.ceil(tokens * k / n_experts)
+    for e in range(n_experts):
+        # -beta_e puts the C-th token exactly on the line; half its gap to the next keeps it
+        moved = bias.at[e].add(-beta[e] + 1e-7)
+        chosen = jax.lax.top_k(scores[0] + moved, k)[1]
+        assert int(jnp.sum(chosen == e)) == share, e
+    new = quantile_bias(scores + bias, bias, k)
+    np.testing.assert_allclose(new, (bias - beta) - jnp.mean(bias - beta), atol=1e-7)
+
+
+def tiny_biased(balance: str, **moe) -> tuple[Transformer, Config]:
+    cfg = Config(model=ModelConfig(vocab_size=64, d_model=16, n_layers=3, n_heads=2,
+                                   n_kv_heads=1, d_ff=16, n_dense_layers=1),
+                 moe=MoEConfig(n_experts=4, top_k=2, router="sigmoid", balance=balance,
+                               block_size=8, **moe))
+    return Transformer(cfg.model, cfg.moe, jax.random.key(0)), cfg
+
+
+def run_steps(balance: str, steps: int, **moe):
+    model, cfg = tiny_biased(balance, **moe)
+    optimizer = make_optimizer(cfg.optim, steps, None)
+    opt_state = optimizer.init(trainable(model))
+    step = make_train_step(cfg, optimizer)
+    batch = jax.random.randint(jax.random.key(1), (4, 17), 0, 64)
+    for _ in range(steps):
+        model, opt_state, parts = step(model, opt_state, batch)
+    return model, opt_state, parts
+
+
+def test_optimizer_never_holds_nor_decays_the_bias():
+    """bias_rate 0: Adam with weight decay 0.1 would still move a leaf it held; it must not."""
+    model, opt_state, parts = run_steps("bias_sign", 3, bias_rate=0.0)
+    for layer in moe_layers(model):
+        np.testing.assert_array_equal(layer.bias, 0.0)
+    n_weights = len(jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    assert len(jax.tree.leaves(without_bias(eqx.filter(model, eqx.is_array)))) == n_weights - 2
+    moments = [a for a in jax.tree.leaves(opt_state) if a.ndim > 0]
+    assert len(moments) == 2 * (n_weights - 2)  # Adam's mu and nu, none for the biases
+    np.testing.assert_array_equal(parts["bias_range"], 0.0)
+
+
+@pytest.mark.parametrize("balance", ["bias_sign", "bias_quantile"])
+def test_train_step_moves_each_layers_bias_by_its_own_loads(balance):
+    model, _, parts = run_steps(balance, 1, bias_rate=0.01)
+    layers = moe_layers(model)
+    assert len(layers) == 2 and parts["tokens_per_expert"].shape == (2, 4)
+    for i, layer in enumerate(layers):
+        if balance == "bias_sign":
+            want = sign_rule(jnp.zeros(4), parts["tokens_per_expert"][i], 0.01)
+        else:
+            want = parts["quantile_bias"][i]
+        np.testing.assert_array_equal(layer.bias, want)
+        assert float(jnp.ptp(layer.bias)) > 0
+    np.testing.assert_allclose(parts["bias_range"], [float(jnp.ptp(b.bias)) for b in layers])
+    assert parts["router_entropy"].shape == (2,)
+
+
+def test_update_bias_reads_stacked_layers_in_order():
+    """A layer axis on the bias (layers stacked for scan) takes that many stats rows."""
+    model, cfg = tiny_biased("bias_sign", bias_rate=1.0)
+    stacked = eqx.tree_at(lambda m: m.blocks[1].ffn.bias, model, jnp.zeros((2, 4)))
+    load = jnp.array([[1.0, 2, 3, 4], [4, 3, 2, 1], [1, 1, 1, 5]])  # 3 rows: 2 stacked + 1
+    new = update_bias(stacked, {"tokens_per_expert": load}, cfg.moe)
+    np.testing.assert_array_equal(new.blocks[1].ffn.bias, sign_rule(jnp.zeros((2, 4)),
+                                                                     load[:2], 1.0))
+    np.testing.assert_array_equal(new.blocks[2].ffn.bias, sign_rule(jnp.zeros(4), load[2], 1.0))
+
+
+def test_bias_quantile_needs_a_next_choice():
+    with pytest.raises(ConfigError, match="moe.balance"):
+        config_from_dict({"moe": {"n_experts": 2, "top_k": 2, "balance": "bias_quantile"}})
+
+
+def test_resume_restores_the_bias_bitwise(tmp_path, small_corpus):
+    """Kill-free resume: drop the last checkpoint, rerun, land on the same bias and losses."""
+    from conftest import tiny_config
+
+    from moelab.train.trainer import Trainer
+
+    raw = tiny_config(small_corpus, moe={"router": "sigmoid", "balance": "bias_sign",
+                                         "bias_rate": 0.01},
+                      train={"steps": 8, "checkpoint_every": 4, "eval_every": 8})
+    cfg = config_from_dict(raw)
+    clean = Trainer(cfg, tmp_path / "clean")
+    clean.run()
+    resumed = Trainer(cfg, tmp_path / "resumed")
+    resumed.run()
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "8")
+    again = Trainer(cfg, tmp_path / "resumed")
+    assert again.step == 4
+    again.run()
+    for a, b in zip(moe_layers(clean.model), moe_layers(again.model), strict=True):
+        np.testing.assert_array_equal(a.bias, b.bias)
+        assert float(jnp.ptp(a.bias)) > 0
+    rows = [json.loads(line) for line in
+            (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    clean_rows = [json.loads(line) for line in
+                  (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in clean_rows]
+    assert rows[-1]["bias_range/layer_1"] > 0 and "router_entropy/layer_0" in rows[-1]
