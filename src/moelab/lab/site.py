@@ -69,6 +69,7 @@ def html_page(title: str, body: str, root: str = "", charts: bool = False,
                       for name in ("plotly.min.js", "charts.js")) if charts else ""
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+            '<link rel="icon" href="data:,">'  # no favicon request (a 404 in the log)
             f"<title>{html.escape(title)}</title><style>{STYLE}</style>{scripts}{head}</head>\n"
             f"<body>\n{body}\n</body></html>\n")
 
