@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from moelab import __version__
 from moelab.config import ConfigError
 from moelab.errors import UserError
 
@@ -24,6 +25,7 @@ PARTS = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moelab", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in PARTS:
         try:

@@ -19,10 +19,20 @@ from moelab.lab.store import Store, default_lab_path
 from moelab.train.cli import PRESETS, config_path
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (a required option,
+    or one whose help already says what happens without it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default in (None, [], False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     lab_help = "lab database file (default: $MOELAB_LAB, else runs/lab.sqlite)"
     lab = subparsers.add_parser("lab", help="experiment records, metrics, reports, dashboard",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_Help)
     lab.add_argument("--lab", type=Path, default=None, help=lab_help)
     # --lab is accepted after the subcommand too (`moelab lab list --lab X`); SUPPRESS keeps
     # a subcommand without it from resetting one given before.
@@ -32,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return commands.add_parser(name, help=help, description=help, parents=[common],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                   formatter_class=_Help)
 
     new = command("new", "plan an experiment; prints its id")
     new.add_argument("name", help="the question the experiment answers, in a few words")
@@ -55,7 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     report = command("report", "write report.html (interactive), summary.md and PNG plots")
     report.add_argument("id", help="experiment id, e.g. exp-1")
-    report.add_argument("--out", type=Path, default=None, help="directory (None: runs/reports/ID)")
+    report.add_argument("--out", type=Path, default=None,
+                        help="directory (default: runs/reports/ID)")
     report.set_defaults(func=_report)
 
     publish = command("publish", "write the whole lab as a static site (works from file://)")
