@@ -134,3 +134,29 @@ def test_serve_refuses_bad_and_busy_ports_in_one_line(moelab, config, tmp_path):
         busy.listen()
         code, _, err = moelab("serve", "--port", str(busy.getsockname()[1]))
     assert code == 2 and "cannot listen on" in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_of_every_part_shows_each_default():
+    """`moelab X --help` for every part and subcommand: an option with help text and a
+    default shows the default (argparse cannot show it for an option with no help text;
+    test_every_lab_option_has_help_and_shows_its_default holds the lab to having it)."""
+    import argparse
+
+    def parsers(parser: argparse.ArgumentParser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    checked = 0
+    for parser in parsers(cli.build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            default = action.default
+            if (action.option_strings and action.help and action.help != argparse.SUPPRESS
+                    and default is not None and default is not False and default != []
+                    and default != argparse.SUPPRESS and not action.required):
+                assert str(default) in text, f"{parser.prog} {action.option_strings}"
+                checked += 1
+    assert checked >= 5  # lab serve alone has --host and --port

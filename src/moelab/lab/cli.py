@@ -19,20 +19,9 @@ from moelab.lab.store import Store, default_lab_path
 from moelab.train.cli import PRESETS, config_path
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where there is none to show (a required option,
-    or one whose help already says what happens without it)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.required or action.default in (None, [], False):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     lab_help = "lab database file (default: $MOELAB_LAB, else runs/lab.sqlite)"
-    lab = subparsers.add_parser("lab", help="experiment records, metrics, reports, dashboard",
-                                formatter_class=_Help)
+    lab = subparsers.add_parser("lab", help="experiment records, metrics, reports, dashboard")
     lab.add_argument("--lab", type=Path, default=None, help=lab_help)
     # --lab is accepted after the subcommand too (`moelab lab list --lab X`); SUPPRESS keeps
     # a subcommand without it from resetting one given before.
@@ -41,8 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     commands = lab.add_subparsers(dest="lab_command", required=True)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=help, description=help, parents=[common],
-                                   formatter_class=_Help)
+        return commands.add_parser(name, help=help, description=help, parents=[common])
 
     new = command("new", "plan an experiment; prints its id")
     new.add_argument("name", help="the question the experiment answers, in a few words")
