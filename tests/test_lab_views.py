@@ -171,10 +171,14 @@ def test_findings_page_lists_outcomes_and_calibration(tmp_path):
             store.finish_experiment(exp, status, f"reason {i}")
         store.finish_experiment(store.new_experiment("q2", "h2", {}, None), "abandoned",
                                 "no compute left")
+        running = store.new_experiment("q3", "h3", {}, None)  # not ended: not resolved
+        store.add_prediction(running, "final loss", 2.0, 1.9, 2.1, {})
+        store.log_metrics(store.start_run(running, "r", {}), 1, {"loss": 9.0})
         publish(store, tmp_path / "site")
     page = (tmp_path / "site/findings.html").read_text()
     assert "<h2>Failed (1)</h2>" in page and "reason 1" in page
     assert "<h2>Abandoned (1)</h2>" in page and "no compute left" in page
+    assert "3 predictions registered, 2 resolved" in page
     assert "Inside their interval: 1 of 2 (50%); mean absolute error 0.3." in page
     assert "<td>3.5</td><td>0.5</td><td>no</td>" in page  # actual, error, inside
 

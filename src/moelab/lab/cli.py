@@ -95,7 +95,7 @@ def _show(args: argparse.Namespace) -> None:
     from moelab.lab.report import load_view, render_markdown
 
     with _open(args, "ro") as store:
-        print(render_markdown(load_view(store, args.id)))
+        print(render_markdown(load_view(store, args.id)), end="")  # it ends with a newline
 
 
 def _finish(args: argparse.Namespace) -> None:

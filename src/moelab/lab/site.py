@@ -162,8 +162,10 @@ def charts_html(payload: dict[str, Any], png_url: str | None = None) -> str:
         boxes.append(f'<div class="chart-box"><label><input type="checkbox" class="log-y"'
                      f'{checked}> log y</label>{png}'
                      f'<div class="chart" data-chart="{chart["id"]}"></div></div>')
+    charted = {name for chart in payload["charts"] for name in chart["metrics"]}
+    names = sorted(payload["series"], key=lambda name: (name in charted, name))
     options = "".join(f'<option value="{html.escape(name)}">{html.escape(name)}</option>'
-                      for name in sorted(payload["series"]))
+                      for name in names)  # first: a metric no other chart shows
     boxes.append('<div class="chart-box"><label>any metric <select class="metric-select">'
                  f'{options}</select></label> <label><input type="checkbox" class="log-y">'
                  ' log y</label><div class="chart" data-chart="any"></div></div>')
@@ -325,12 +327,16 @@ def render_findings(store: Store, head: str = "") -> str:
         sections.append(f"<h2>{title} ({len(rows)})</h2>" + (
             html_cells(["id", "question", "hypothesis", "outcome / reason"], rows)
             if rows else "<p>None.</p>"))
-    pairs = [(p, v.observed(p)) for v in views for p in v.predictions]
+    # A prediction resolves when its experiment ends: a running one's last value is not
+    # its outcome, and counting it would flatter (or smear) the calibration.
+    pairs = [(p, v.observed(p) if v.experiment.status in ENDED else None)
+             for v in views for p in v.predictions]
     owner = {p.id: v.experiment.id for v in views for p in v.predictions}
     prediction_rows = [[_link("", "experiments", owner[p.id], owner[p.id]),
                         *map(html.escape, _finding_row(p, actual))] for p, actual in pairs]
     cal = calibration(pairs)
-    summary = (f"<p>{cal.total} predictions registered, {cal.resolved} with an actual value. "
+    summary = (f"<p>{cal.total} predictions registered, {cal.resolved} resolved (their "
+               "experiment ended with an actual value). "
                + (f"Inside their interval: {cal.inside} of {cal.resolved} "
                   f"({cal.fraction_inside:.0%}); mean absolute error {cal.mean_abs_error:.4g}."
                   if cal.resolved else "None resolved yet.") + "</p>")
