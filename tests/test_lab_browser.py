@@ -149,8 +149,16 @@ def test_dashboard_draws_charts_and_reloads_when_a_run_writes(chromium, dashboar
     chromium.get(dashboard.url + "experiments/exp-1.html")
     charts_drawn(chromium)
     assert_no_console_errors(chromium)
+    chromium.execute_script(  # zoom, as a drag would, and turn on log y
+        "Plotly.relayout(document.querySelector('[data-chart=loss]'), 'xaxis.range', [5, 10])")
+    chromium.find_element("css selector", ".chart-box .log-y").click()
     with Store(sample_lab) as store:  # a run writes; the open page notices and reloads
         store.log_metrics("run-2", 30, {"loss": 0.5})
     wait_for(chromium, lambda b: b.execute_script(
         "const d = document.querySelector('[data-chart=loss]');"
         "return d && d.data && d.data[1].x.length") == 31)
+    charts = charts_drawn(chromium)
+    assert charts[0][4] == [5, 10]  # the reader's zoom survives the reload
+    assert chromium.execute_script(
+        "return document.querySelector('[data-chart=loss]')._fullLayout.yaxis.type") == "log"
+    assert_no_console_errors(chromium)

@@ -4,7 +4,8 @@
 // never from inline script (the pages' Content-Security-Policy forbids it). Every string
 // shown by plotly (which reads a little HTML in names and titles) is escaped first.
 // Controls: EMA smoothing, run toggles, log y per chart, the metric of the "any" chart.
-// Their state is kept in sessionStorage, so the dashboard's reload on new data keeps it.
+// Their state and each chart's zoom are kept in sessionStorage, so the dashboard's reload
+// on new data keeps them (a double click on a chart zooms back out).
 "use strict";
 (function () {
   const block = document.getElementById("lab-data");
@@ -17,7 +18,10 @@
   const color = Object.fromEntries(data.runs.map((r, i) => [r.id, COLORS[i % COLORS.length]]));
   const storeKey = "moelab-charts:" + location.pathname + location.search;
   const saved = JSON.parse(sessionStorage.getItem(storeKey) || "{}");
-  const state = {smoothing: saved.smoothing || 0, hidden: new Set(saved.hidden || [])};
+  const state = {smoothing: saved.smoothing || 0, hidden: new Set(saved.hidden || []),
+                 log: saved.log || {}, zoom: saved.zoom || {}, metric: saved.metric};
+  const save = () => sessionStorage.setItem(storeKey, JSON.stringify(
+    {...state, hidden: [...state.hidden]}));
 
   const text = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;")
     .replace(/>/g, "&gt;").replace(/"/g, "&quot;");
@@ -83,16 +87,21 @@
     return {shapes, annotations};
   }
 
+  // The key of a chart's saved zoom: the "any" chart has one per metric.
+  const zoomKey = (div) => div.dataset.chart === "any" ? "any:" + spec(div).metrics[0]
+                                                       : div.dataset.chart;
+
   function draw(div) {
     const chart = spec(div);
     const logY = div.parentElement.querySelector(".log-y").checked;
+    const zoom = state.zoom[zoomKey(div)] || {};
     const layout = {
       title: {text: text(chart.title)},
-      // The x range follows the data only: a running experiment is not stretched to
-      // its planned number of steps.
-      xaxis: {title: {text: text(data.x_label)}, autorange: true},
+      // The x range follows the data only (unless zoomed): a running experiment is not
+      // stretched to its planned number of steps.
+      xaxis: {title: {text: text(data.x_label)}, autorange: !zoom.x, range: zoom.x},
       yaxis: {title: {text: text(chart.y_label)}, type: logY ? "log" : "linear",
-              autorange: true, uirevision: logY ? "log" : "linear"},
+              autorange: !zoom.y, range: zoom.y, uirevision: logY ? "log" : "linear"},
       margin: {t: 40, r: 20, b: 50, l: 70}, hovermode: "closest", uirevision: "keep",
       legend: {font: {size: 10}},
       ...marks(chart),
@@ -102,8 +111,7 @@
 
   const divs = [...document.querySelectorAll(".chart")];
   const redraw = () => {
-    sessionStorage.setItem(storeKey, JSON.stringify(
-      {smoothing: state.smoothing, hidden: [...state.hidden]}));
+    save();
     divs.forEach(draw);
   };
 
@@ -125,9 +133,34 @@
   }
   for (const div of divs) {
     const box = div.parentElement;
-    box.querySelector(".log-y").addEventListener("change", () => draw(div));
+    const logBox = box.querySelector(".log-y");
     const select = box.querySelector(".metric-select");
-    if (select) select.addEventListener("change", () => draw(div));
+    if (select && state.metric) select.value = state.metric;
+    if (zoomKey(div) in state.log) logBox.checked = state.log[zoomKey(div)];
+    logBox.addEventListener("change", () => {
+      state.log[zoomKey(div)] = logBox.checked;
+      delete (state.zoom[zoomKey(div)] || {}).y;  // a y range means nothing on the new scale
+      save();
+      draw(div);
+    });
+    if (select) select.addEventListener("change", () => {
+      state.metric = select.value;
+      logBox.checked = !!state.log[zoomKey(div)];
+      save();
+      draw(div);
+    });
   }
   divs.forEach(draw);
+  for (const div of divs) {
+    div.on("plotly_relayout", (change) => {
+      const zoom = state.zoom[zoomKey(div)] = state.zoom[zoomKey(div)] || {};
+      for (const axis of ["x", "y"]) {
+        const [start, end] = [`${axis}axis.range[0]`, `${axis}axis.range[1]`];
+        if (change[`${axis}axis.autorange`]) delete zoom[axis];
+        else if (change[`${axis}axis.range`]) zoom[axis] = change[`${axis}axis.range`];
+        else if (start in change) zoom[axis] = [change[start], change[end]];
+      }
+      save();
+    });
+  }
 })();
