@@ -1,5 +1,6 @@
 """Shared fixtures: a small real two-source dataset and a tiny training config."""
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -7,6 +8,10 @@ import pytest
 import yaml
 
 STDLIB = sysconfig.get_paths()["stdlib"]
+# Every test process compiles the same tiny programs: share them through JAX's disk cache.
+COMPILE_CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 SMALL_SOURCES = {
     "code": [f"{STDLIB}/json/*.py", f"{STDLIB}/email/*.py", f"{STDLIB}/logging/*.py"],
     "prose": ["/usr/share/common-licenses/*", "/usr/share/doc/*/copyright"],
@@ -48,6 +53,15 @@ def write_config(tmp_path, small_corpus):
         return path
 
     return write
+
+
+def fake_devices_env(n: int, **extra: str) -> dict[str, str]:
+    """Env for a subprocess with n fake CPU devices (XLA_FLAGS must be set before jax is
+    imported); compiles fast and are cached on disk across test processes."""
+    flags = f"--xla_force_host_platform_device_count={n} --xla_backend_optimization_level=0"
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", **extra}
 
 
 # ------------------------------------------------------------------------------ lab

@@ -7,13 +7,9 @@ import sys
 import time
 
 import numpy as np
+from conftest import COMPILE_CACHE
 
 from moelab.train.trainer import FAULT_ENV
-
-# Every test process compiles the same tiny programs: share them through JAX's disk cache.
-COMPILE_CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
-                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def moelab_train(config, run_dir, *extra, env=None, check=True):
@@ -43,7 +39,9 @@ def test_sigkill_mid_run_then_rerun_resumes_with_identical_losses(tmp_path, writ
     moelab_train(config, clean)
     killed = moelab_train(config, crashed, env={FAULT_ENV: "7"}, check=False)
     assert killed.returncode == -9  # really killed, between checkpoints 4 and 8
-    assert max(losses(crashed)) == 7
+    # Metrics are fetched one step late (the host runs a step ahead), so a kill before
+    # step 8 is dispatched has logged steps 1..6: step 7's are still on the device.
+    assert max(losses(crashed)) == 6
     resumed = moelab_train(config, crashed)
     assert "resumed from checkpoint at step 4" in resumed.stdout
     assert losses(crashed) == losses(clean)  # bitwise equal floats, steps 1..12

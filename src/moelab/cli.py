@@ -7,12 +7,12 @@ function; those modules import nothing heavy at the top, so `moelab --help` is i
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
 from moelab import __version__
-from moelab.config import ConfigError
-from moelab.errors import UserError
+from moelab.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 
 PARTS = [
     "moelab.data.cli",
@@ -62,9 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, UserError, FileNotFoundError) as err:
+    except (UserError, FileNotFoundError) as err:  # ConfigError is a UserError
         print(f"moelab {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C before training installed its own handler
+        print(f"moelab {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"moelab {args.command}: error: {err}; free some space and rerun the same "
+              "command (what was saved before is intact)", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

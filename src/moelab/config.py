@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,9 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config that cannot work; the message names the field and the fix."""
+from moelab.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -40,6 +39,13 @@ class ModelConfig:
     qk_norm: bool = True  # RMSNorm on queries and keys per head: the loss-spike fix
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Repeated layers are stacked on a leading axis either way; scan_layers runs them with
+    # jax.lax.scan (compile time independent of depth), false unrolls a Python loop.
+    scan_layers: bool = True
+    # Rematerialization of each layer in the backward pass: "none" keeps every activation,
+    # "full" keeps only the layer's input, "save_moe" also keeps the routing and the MoE
+    # dispatch/combine results so routing (and expert-parallel exchanges) are not redone.
+    remat: Literal["none", "full", "save_moe"] = "none"
 
     @property
     def resolved_head_dim(self) -> int:
@@ -121,10 +127,12 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh: batch is split over data x expert, experts over expert."""
+    """Device mesh: the batch is split over data x fsdp x expert devices, routed experts over
+    `expert`, and every parameter and its optimizer state over `fsdp` (ZeRO-3 style)."""
 
-    data: int = 1
-    expert: int = 1
+    data: int = 1  # pure data parallelism: parameters replicated
+    fsdp: int = 1  # data parallelism with parameters and optimizer state sharded
+    expert: int = 1  # expert parallelism: routed experts split, tokens exchanged
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,10 @@ class Config:
 
 
 # ----------------------------------------------------------------------------- loading
+
+
+# A number PyYAML (YAML 1.1) leaves as a string: 1e30, -2E-5, 3e+4 (no dot, or no sign).
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -180,6 +192,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {value!r} matches none of {annotation}")
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+        return float(value)  # "1e30": YAML 1.1 wants a dot in exponent floats; people don't
     if annotation is type(None):
         if value is not None:
             raise ConfigError(f"{where}: expected null, got {value!r}")
@@ -218,9 +232,16 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not text (a binary file?); pass a YAML "
+                          "config") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        problem = " ".join(str(err).split())
+        raise ConfigError(f"config file {path} is not valid YAML: {problem}") from None
+    if raw is None:
+        raise ConfigError(f"config file {path} is empty; write the fields to change (or {{}} "
+                          "for every default) in it")
     for dotted, value in (overrides or {}).items():
         set_dotted(raw, dotted, value)
     return config_from_dict(raw)
@@ -230,8 +251,11 @@ def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     """Set raw["a"]["b"] = value for dotted = "a.b", creating sections as needed."""
     *sections, leaf = dotted.split(".")
     node = raw
-    for name in sections:
+    for i, name in enumerate(sections):
         node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            where = ".".join(sections[: i + 1])
+            raise ConfigError(f"{dotted}: {where} is a value, not a section; set {where}=...")
     node[leaf] = value
 
 
@@ -259,31 +283,62 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
-def _validate_positive(config: Config) -> None:
-    m, moe, d, o, t = config.model, config.moe, config.data, config.optim, config.train
-    positive = {
-        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model,
-        "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
-        "model.n_kv_heads": m.n_kv_heads, "model.d_ff": m.d_ff,
-        "moe.n_experts": moe.n_experts, "moe.top_k": moe.top_k,
-        "moe.block_size": moe.block_size, "data.seq_len": d.seq_len,
-        "data.batch_size": d.batch_size, "optim.grad_accum": o.grad_accum,
-        "train.steps": t.steps, "train.log_every": t.log_every,
-        "train.eval_every": t.eval_every, "train.checkpoint_every": t.checkpoint_every,
-        "train.keep_checkpoints": t.keep_checkpoints, "train.spike_window": t.spike_window,
-        "mesh.data": config.mesh.data, "mesh.expert": config.mesh.expert,
-    }
-    for name, value in positive.items():
-        _require(value > 0, name, f"must be > 0, got {value}")
-    _require(moe.capacity_factor > 0, "moe.capacity_factor", "must be > 0")
-    _require(o.lr > 0, "optim.lr", "must be > 0")
+INT_LIMIT = 2**31  # beyond this, counts overflow the int32 indices of JAX and NumPy
+
+# Lower bounds of numeric fields (">" strict, ">=" inclusive); fields not named only need
+# to be finite (floats) and below INT_LIMIT in size (ints).
+BOUNDS = {
+    "model.vocab_size": (">", 0), "model.d_model": (">", 0), "model.n_layers": (">", 0),
+    "model.n_heads": (">", 0), "model.n_kv_heads": (">", 0), "model.head_dim": (">=", 0),
+    "model.d_ff": (">", 0), "model.d_ff_dense": (">=", 0), "model.rope_theta": (">", 0),
+    "model.norm_eps": (">", 0), "model.init_std": (">", 0),
+    "moe.n_experts": (">", 0), "moe.top_k": (">", 0), "moe.d_ff_shared": (">=", 0),
+    "moe.capacity_factor": (">", 0), "moe.block_size": (">", 0),
+    "loss.aux_weight": (">=", 0), "loss.router_z_weight": (">=", 0),
+    "loss.logit_z_weight": (">=", 0),
+    "data.seq_len": (">", 0), "data.batch_size": (">", 0), "data.seed": (">=", 0),
+    "optim.lr": (">", 0), "optim.warmup_steps": (">=", 0), "optim.weight_decay": (">=", 0),
+    "optim.b1": (">=", 0), "optim.b2": (">=", 0), "optim.eps": (">", 0),
+    "optim.clip_norm": (">", 0), "optim.grad_accum": (">", 0),
+    "train.steps": (">", 0), "train.seed": (">=", 0), "train.log_every": (">", 0),
+    "train.eval_every": (">", 0), "train.eval_batches": (">", 0),
+    "train.checkpoint_every": (">", 0), "train.keep_checkpoints": (">", 0),
+    "train.spike_window": (">", 0), "train.spike_threshold": (">", 0),
+    "train.peak_flops": (">=", 0), "mesh.data": (">", 0), "mesh.fsdp": (">", 0),
+    "mesh.expert": (">", 0),
+    "distributed.num_processes": (">=", 0),
+}
+
+
+def _numbers(config: Config) -> dict[str, int | float]:
+    """Every numeric field by dotted name (bools and the mixture's weights excluded)."""
+    return {f"{section}.{name}": value
+            for section, fields_ in config_to_dict(config).items()
+            for name, value in fields_.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)}
+
+
+def _validate_numbers(config: Config) -> None:
+    for name, value in _numbers(config).items():
+        if isinstance(value, float):
+            _require(math.isfinite(value), name, f"must be a finite number, got {value}")
+        else:
+            _require(abs(value) < INT_LIMIT, name, f"{value} is too large (limit 2**31)")
+        op, bound = BOUNDS.get(name, (None, None))
+        if op == ">":
+            _require(value > bound, name, f"must be > {bound}, got {value}")
+        elif op == ">=":
+            _require(value >= bound, name, f"must be >= {bound}, got {value}")
+    o = config.optim
+    _require(o.b1 < 1, "optim.b1", f"must be in [0, 1), got {o.b1}")
+    _require(o.b2 < 1, "optim.b2", f"must be in [0, 1), got {o.b2}")
     _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
 
 
 def validate(config: Config) -> None:
     """Raise ConfigError for shapes and combinations that cannot work."""
-    _validate_positive(config)
+    _validate_numbers(config)
     m, moe, d = config.model, config.moe, config.data
     _require(m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.d_model",
              f"{m.d_model} is not divisible by model.n_heads={m.n_heads}; "
@@ -302,7 +357,8 @@ def validate(config: Config) -> None:
     _require(d.batch_size % config.optim.grad_accum == 0, "optim.grad_accum",
              f"{config.optim.grad_accum} must divide data.batch_size={d.batch_size}")
     for source, weight in d.mixture.items():
-        _require(weight >= 0, f"data.mixture.{source}", f"weight must be >= 0, got {weight}")
+        _require(math.isfinite(weight) and weight >= 0, f"data.mixture.{source}",
+                 f"weight must be a finite number >= 0, got {weight}")
     _require(not d.mixture or sum(d.mixture.values()) > 0, "data.mixture",
              "weights must not all be zero")
     _validate_mesh(config)
@@ -312,11 +368,11 @@ def _validate_mesh(config: Config) -> None:
     mesh, moe, d = config.mesh, config.moe, config.data
     _require(moe.n_experts % mesh.expert == 0, "mesh.expert",
              f"{mesh.expert} must divide moe.n_experts={moe.n_experts}")
-    shards = mesh.data * mesh.expert
+    shards = mesh.data * mesh.fsdp * mesh.expert
     micro = d.batch_size // config.optim.grad_accum
     _require(micro % shards == 0, "data.batch_size",
              f"the micro-batch of {micro} sequences must split evenly over "
-             f"mesh.data x mesh.expert = {shards} devices")
+             f"mesh.data x mesh.fsdp x mesh.expert = {shards} devices")
     if moe.dispatch == "pooled" and moe.pool_size and shards > 1:
         local = micro // shards
         _require(local % moe.pool_size == 0, "moe.pool_size",

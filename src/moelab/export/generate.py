@@ -41,8 +41,8 @@ def with_dropless_dispatch(model: Transformer, block_size: int | None = None) ->
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
-    if temperature < 0:
-        raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {temperature}")
+    if not temperature >= 0:  # written so that NaN fails too
+        raise ConfigError(f"temperature: must be a number >= 0 (0 = greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p: must be in (0, 1], got {top_p}")
 

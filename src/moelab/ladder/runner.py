@@ -28,6 +28,7 @@ from moelab.ladder.fit import (
 )
 from moelab.ladder.spec import LadderSpec, Rung
 from moelab.train.metrics import JsonlLog
+from moelab.train.rundir import CONFIG_FILE, METRICS_FILE
 
 FINAL_LOSS = ("validation cross-entropy (nats/token) at the run's last step, averaged over "
               "data sources with the weights of the training mixture")
@@ -55,7 +56,7 @@ def run_dir(spec: LadderSpec, rung: Rung) -> Path:
 
 
 def metrics(path: Path) -> list[dict]:
-    return JsonlLog(path / "metrics.jsonl").read()
+    return JsonlLog(path / METRICS_FILE).read()
 
 
 def is_finished(rung: Rung, path: Path) -> bool:
@@ -66,7 +67,7 @@ def is_finished(rung: Rung, path: Path) -> bool:
 
 def check_run_dir(rung: Rung, path: Path) -> None:
     """Refuse to resume or reuse a run directory that holds another config's run."""
-    saved = path / "config.yaml"
+    saved = path / CONFIG_FILE
     if not saved.exists():
         return
     raw = yaml.safe_load(saved.read_text())

@@ -1,22 +1,45 @@
-"""Orbax checkpoints of params, optimizer state and run state (loader, detectors, RNG).
+"""Orbax checkpoints of params, optimizer state and run state (loader, detectors, RNG),
+verified on every load.
 
 Orbax writes each step into a temporary directory and renames it only once complete, so
-a process killed mid-save leaves no checkpoint that would load wrong; the previous one
-stays the latest. Arrays are saved as flat leaf lists: the pytree structure comes from
-the config, which is stored beside them and checked before anything is restored.
+a process killed mid-save leaves no checkpoint that would load wrong. That does not guard
+against what happens to the files afterwards (a bad disk sector, a truncated copy, a
+full disk), so once a save is complete an integrity record (`integrity.json`: the sha256
+and size of every file) is written into the step's directory, and every loader (train
+resume, export, generate, ladder) checks it first. A checkpoint whose files do not match,
+or that fails to restore, is reported by step and reason and skipped for the newest good
+one; the trainer also moves it aside to `checkpoints.bad/` (never deleted) so that its
+step can be saved again. Parameters are checked finite before a save, so a divergence is
+never checkpointed.
+
+Arrays are saved as flat leaf lists: the pytree structure comes from the config, which
+is stored beside them and checked before anything is restored.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from moelab.config import Config, config_from_dict, config_to_dict
-from moelab.errors import UserError
+from moelab.errors import DivergenceError, UserError
+from moelab.train.rundir import CHECKPOINT_DIR, QUARANTINE_DIR
+
+INTEGRITY_FILE = "integrity.json"
+T = TypeVar("T")
 
 # Fields whose change alters parameter shapes: a checkpoint is only loadable if they match.
 SHAPE_FIELDS = {
@@ -39,22 +62,137 @@ def shape_mismatches(saved: dict, cfg: Config) -> list[str]:
             if saved.get(section, {}).get(name) != now[section][name]]
 
 
+# ------------------------------------------------------------------------- integrity
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(step_dir: Path) -> dict[str, Path]:
+    return {str(p.relative_to(step_dir)): p for p in sorted(step_dir.rglob("*"))
+            if p.is_file() and p.name != INTEGRITY_FILE}
+
+
+def write_integrity(step_dir: Path) -> None:
+    """Record every file's size and sha256; atomically, so the record is whole or absent."""
+    record = {name: {"size": p.stat().st_size, "sha256": _digest(p)}
+              for name, p in _files(step_dir).items()}
+    tmp = step_dir / f".{INTEGRITY_FILE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"files": record}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / INTEGRITY_FILE)
+
+
+def verify_step(step_dir: Path) -> str | None:
+    """Why the checkpoint in `step_dir` cannot be trusted, or None when every file matches."""
+    try:
+        record = json.loads((step_dir / INTEGRITY_FILE).read_text())["files"]
+    except FileNotFoundError:
+        return "no integrity record (its save never completed)"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        return f"integrity record unreadable ({type(err).__name__})"
+    present = _files(step_dir)
+    for name, want in record.items():
+        path = present.get(name)
+        if path is None:
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{name} has {size} bytes, {want['size']} were written"
+        if _digest(path) != want["sha256"]:
+            return f"{name} does not match its sha256 (damaged on disk)"
+    return None
+
+
+def _disk_full(err: BaseException | None) -> bool:
+    """Whether an error, or one it was raised from, is a full disk or quota."""
+    while err is not None:
+        if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+                "No space left" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def count_nonfinite(arrays: Any) -> tuple[int, int]:
+    """(arrays with a NaN or Inf, arrays) over the float leaves of a pytree."""
+    leaves = [x for x in jax.tree.leaves(arrays) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        return 0, 0
+    finite = jax.device_get(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+    return int((~finite).sum()), len(leaves)
+
+
+# ------------------------------------------------------------------------- checkpointer
+
+
 class Checkpointer:
-    def __init__(self, run_dir: Path, keep: int):
+    """Saves and restores a run's checkpoints, trusting only those that verify.
+
+    `writer=True` (the trainer, holding the run-dir lock) may change the directory:
+    it removes the temporary directories of interrupted saves and moves damaged
+    checkpoints aside. Readers (export, generate, ladder) only skip them.
+    """
+
+    def __init__(self, run_dir: Path, keep: int, writer: bool = False):
+        self.run_dir = Path(run_dir).absolute()
+        self.directory = self.run_dir / CHECKPOINT_DIR
+        self.writer = writer
+        if writer:
+            self._remove_interrupted_saves()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=False)
-        self.manager = ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints",
-                                             options=options)
+            max_to_keep=keep, create=writer, enable_async_checkpointing=False,
+            read_only=not writer)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def _remove_interrupted_saves(self) -> None:
+        """Temporary directories of saves that a kill or a full disk interrupted."""
+        if not self.directory.is_dir():
+            return
+        for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"removed {tmp.name}, the remains of an interrupted checkpoint save")
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def verify(self, step: int) -> str | None:
+        return verify_step(self.directory / str(step))
+
     def save(self, step: int, model, opt_state, run_state: dict[str, Any]) -> None:
+        """Save, then record the integrity of what was written; refuse non-finite params."""
         arrays = {"params": jax.tree.leaves(eqx.filter(model, eqx.is_array)),
                   "opt": jax.tree.leaves(opt_state)}
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(run_state)))
-        self.manager.wait_until_finished()
+        bad, total = count_nonfinite(arrays)
+        if bad:
+            last = self.latest_step()
+            kept = "no checkpoint was saved before" if last is None else \
+                f"checkpoint {last} stays the last good one"
+            raise DivergenceError(f"{bad} of {total} parameter/optimizer arrays are non-finite "
+                                  f"after the update of step {step}; not saving them, {kept}")
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(run_state)))
+            self.manager.wait_until_finished()
+            if jax.process_index() == 0:
+                write_integrity(self.directory / str(step))
+        except Exception as err:
+            if not _disk_full(err):
+                raise
+            # Orbax wraps the OS error; say it plainly. The unfinished save is a temporary
+            # directory (or lacks its integrity record) and the next start discards it.
+            raise OSError(errno.ENOSPC, f"no space left on the device while saving checkpoint "
+                          f"{step} to {self.directory}") from err
 
     def read_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
@@ -66,7 +204,7 @@ class Checkpointer:
         mismatches = shape_mismatches(meta["config"], cfg)
         if mismatches:
             raise UserError(
-                f"checkpoint {step} in {self.manager.directory} was written by an incompatible "
+                f"checkpoint {step} in {self.directory} was written by an incompatible "
                 f"config ({'; '.join(mismatches)}); use a new --run-dir or the original config")
         params, static = eqx.partition(model, is_tensor)
         templates = {"params": jax.tree.leaves(params), "opt": jax.tree.leaves(opt_state)}
@@ -80,27 +218,77 @@ class Checkpointer:
         opt_state = jax.tree.unflatten(jax.tree.structure(opt_state), arrays["opt"])
         return eqx.combine(params, static), opt_state, meta
 
+    def restore_latest_good(self, model, opt_state, cfg: Config):
+        """(model, opt_state, run_state, step) of the newest checkpoint that verifies and
+        restores; None when the run has no checkpoint yet."""
+        return self.newest_good(lambda step: (*self.restore(step, model, opt_state, cfg), step))
+
+    def newest_good(self, load: Callable[[int], T]) -> T | None:
+        """`load(step)` of the newest checkpoint that verifies and loads, reporting (and for
+        a writer, moving aside) each damaged one on the way; None when there is none at
+        all, a UserError when there are some but every one is damaged."""
+        steps = self.steps()
+        for step in reversed(steps):
+            reason = self.verify(step)
+            if reason is None:
+                try:
+                    return load(step)
+                except UserError:
+                    raise  # an incompatible config is the user's to fix, not damage
+                except Exception as err:  # noqa: BLE001 - any failure to restore is damage
+                    reason = f"restore failed ({type(err).__name__}: {str(err)[:200]})"
+            self._reject(step, reason)
+        if steps:
+            raise UserError(f"every checkpoint in {self.directory} is damaged (steps "
+                            f"{', '.join(map(str, steps))}; reasons above); use a new "
+                            "--run-dir to start over")
+        return None
+
+    def _reject(self, step: int, reason: str) -> None:
+        """Report a damaged checkpoint; the trainer also moves it aside (never deletes it)."""
+        where = ""
+        if self.writer:
+            aside = self.run_dir / QUARANTINE_DIR / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+            aside.parent.mkdir(exist_ok=True)
+            os.replace(self.directory / str(step), aside)
+            self.manager.reload()
+            where = f"; moved aside to {aside}"
+        print(f"checkpoint {step} is damaged: {reason}{where}; using an older one",
+              file=sys.stderr, flush=True)
+
+
+def verify_run(run_dir: str | Path) -> list[tuple[int, str | None]]:
+    """(step, reason or None) for every checkpoint of a run, oldest first; read-only."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        raise UserError(f"no checkpoints in {directory}; pass the --run-dir of a training run")
+    steps = sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+    return [(step, verify_step(directory / str(step))) for step in steps]
+
 
 def load_latest(run_dir: str | Path):
-    """(model, config, step) of a run's newest checkpoint, on the default device."""
+    """(model, config, step) of a run's newest good checkpoint, on the default device."""
     from moelab.model import Transformer
     from moelab.train.optimizer import make_optimizer, trainable
 
-    if not (Path(run_dir) / "checkpoints").is_dir():
-        raise UserError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train a run first")
+    if not (Path(run_dir) / CHECKPOINT_DIR).is_dir():
+        raise UserError(f"no checkpoint in {Path(run_dir) / CHECKPOINT_DIR}; train a run first")
     ckpt = Checkpointer(Path(run_dir), keep=1_000_000)
-    step = ckpt.latest_step()
-    if step is None:
-        raise UserError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}; train a run first")
-    cfg = config_from_dict(ckpt.read_meta(step)["config"])
-    cfg = config_from_dict({**config_to_dict(cfg), "mesh": {"data": 1, "expert": 1}})
-    # Shapes only: building a real random model just to overwrite it costs a compile.
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
-    model = eqx.filter_eval_shape(Transformer, cfg.model, cfg.moe, jax.random.key(0))
-    model = jax.tree.map(on_device, model)
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
-    opt_state = jax.tree.map(on_device, eqx.filter_eval_shape(
-        lambda m: optimizer.init(trainable(m)), model))
-    model, _, _ = ckpt.restore(step, model, opt_state, cfg)
-    return model, cfg, step
+
+    def load(step: int):
+        cfg = config_from_dict(ckpt.read_meta(step)["config"])
+        cfg = config_from_dict({**config_to_dict(cfg), "mesh": {"data": 1, "expert": 1}})
+        # Shapes only: building a real random model just to overwrite it costs a compile.
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+        model = eqx.filter_eval_shape(Transformer, cfg.model, cfg.moe, jax.random.key(0))
+        model = jax.tree.map(on_device, model)
+        optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
+        opt_state = jax.tree.map(on_device, eqx.filter_eval_shape(
+            lambda m: optimizer.init(trainable(m)), model))
+        return ckpt.restore(step, model, opt_state, cfg)[0], cfg, step
+
+    found = ckpt.newest_good(load)
+    if found is None:
+        raise UserError(f"no checkpoint in {ckpt.directory}; train a run first")
+    return found

@@ -1,13 +1,17 @@
-"""`moelab train`: train (or resume) a run, optionally under a restarting supervisor."""
+"""`moelab train`: train (or resume) a run, optionally under a restarting supervisor;
+`moelab checkpoint verify`: check every checkpoint of a run against its integrity record."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from importlib import resources
 from pathlib import Path
 
 import yaml
+
+from moelab.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError
 
 PRESETS = ("tiny", "small")
 
@@ -16,15 +20,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train an MoE model (resumes if the run exists)")
     p.add_argument("--config", default="tiny",
                    help=f"a YAML file, or a built-in preset: {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<config>)")
+    p.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<config>, "
+                   "plus the --set overrides when there are any)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.steps=100 (YAML value)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume a run with a config that differs from its config.yaml, "
+                        "recording the change as a config_change event")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="supervise: restart a crashed worker from its checkpoint up to N times")
     p.add_argument("--restart-backoff", type=float, default=1.0,
                    help="seconds before the first restart; doubles each time")
     p.add_argument("--experiment", help="attach this run to a lab experiment id")
     p.set_defaults(func=run)
+
+    ckpt = subparsers.add_parser("checkpoint", help="inspect a run's checkpoints")
+    actions = ckpt.add_subparsers(dest="action", required=True)
+    verify = actions.add_parser("verify", help="list each checkpoint as good or bad (exit 1 "
+                                "if any is bad)")
+    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    verify.set_defaults(func=verify_checkpoints)
 
 
 def config_path(name: str) -> Path:
@@ -37,32 +52,51 @@ def parse_overrides(items: list[str]) -> dict:
     overrides = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"moelab train: --set expects KEY=VALUE, got {item!r}")
-        overrides[key] = yaml.safe_load(value)
+        if not sep or not key:
+            raise UserError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = str(err).splitlines()[0]
+            raise UserError(f"--set {item!r}: the value is not valid YAML ({problem})") from None
     return overrides
+
+
+def default_run_dir(config: str, overrides: list[str]) -> Path:
+    """runs/<config>, or runs/<config>-<overrides> so that `--set` never resumes (and
+    mixes into) the run of the config without them."""
+    name = Path(config).stem
+    if overrides:
+        name += "-" + re.sub(r"[^A-Za-z0-9_.=-]+", "_", "-".join(overrides))[:120]
+    return Path("runs") / name
 
 
 def run(args: argparse.Namespace) -> int:
     from moelab.config import load_config
 
     cfg = load_config(config_path(args.config), parse_overrides(args.set))
-    run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, args.set)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {run_dir} is a file, not a directory; pass a directory")
     if args.max_restarts > 0:
         from moelab.train.supervisor import supervise
 
         return supervise(worker_argv(args, run_dir), run_dir, args.max_restarts,
                          args.restart_backoff, args.experiment)
-    from moelab.train.trainer import DivergenceError, train
+    from moelab.errors import DivergenceError, Interrupted
+    from moelab.train.trainer import train
 
     try:
-        summary = train(cfg, run_dir, args.experiment)
+        summary = train(cfg, run_dir, args.experiment, args.allow_config_change)
     except DivergenceError as err:
         print(f"moelab train: diverged: {err}", file=sys.stderr)
-        return 3
+        return EXIT_DIVERGED
+    except Interrupted as stop:
+        print(stop, flush=True)
+        return EXIT_INTERRUPTED
     print(f"done: step {summary['step']}, loss {summary.get('loss', float('nan')):.4f}, "
           f"run dir {run_dir}")
-    return 0
+    return EXIT_OK
 
 
 def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
@@ -70,4 +104,17 @@ def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
     argv = ["train", "--config", args.config, "--run-dir", str(run_dir)]
     for item in args.set:
         argv += ["--set", item]
+    if args.allow_config_change:
+        argv.append("--allow-config-change")
     return argv + (["--experiment", args.experiment] if args.experiment else [])
+
+
+def verify_checkpoints(args: argparse.Namespace) -> int:
+    from moelab.train.checkpoint import verify_run
+
+    results = verify_run(args.run_dir)
+    for step, reason in results:
+        print(f"step {step}: " + ("good" if reason is None else f"BAD: {reason}"))
+    if not results:
+        print(f"no checkpoints in {args.run_dir}")
+    return EXIT_FAILED if any(reason for _, reason in results) else EXIT_OK

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 
 from moelab.config import Config
+from moelab.errors import UserError
 
 # Nominal peaks when train.peak_flops is 0 (FLOP/s). CPU: a rough figure for two modern
 # x86 cores in f32; set train.peak_flops for the machine you report on.
@@ -56,7 +57,7 @@ def peak_flops(cfg: Config) -> float:
     if cfg.train.peak_flops > 0:
         return cfg.train.peak_flops
     per_device = NOMINAL_PEAK.get(jax.default_backend(), NOMINAL_PEAK["cpu"])
-    return per_device * cfg.mesh.data * cfg.mesh.expert
+    return per_device * cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.expert
 
 
 def mfu(cfg: Config, tokens_per_s: float) -> float:
@@ -64,22 +65,58 @@ def mfu(cfg: Config, tokens_per_s: float) -> float:
 
 
 class JsonlLog:
-    """Append-only JSON lines, flushed and fsynced per record: a crash loses at most one."""
+    """Append-only JSON lines, flushed and fsynced per record: a crash loses at most one.
+
+    A write that fails part-way (a full disk) is cut back to the previous line, and a
+    line torn by a kill mid-write is ignored by `read` and removed by `repair`, so one
+    bad moment never makes the file unreadable.
+    """
 
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        with open(self.path, "ab") as f:
+            end = f.tell()
+            try:
+                f.write((json.dumps(record) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError:
+                f.truncate(end)  # shrinking needs no space: leave no torn line behind
+                raise
+
+    def _lines(self) -> tuple[list[dict], int, bytes]:
+        """(records of the whole lines, byte length they span, the torn tail if any)."""
+        data = self.path.read_bytes() if self.path.exists() else b""
+        records, good = [], 0
+        lines = data.splitlines(keepends=True)
+        for number, line in enumerate(lines, 1):
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("no newline")
+                if line.strip():
+                    records.append(json.loads(line))
+            except ValueError as err:
+                if number < len(lines):  # writes are appends: only the last can be torn
+                    raise UserError(f"{self.path} line {number} is not JSON ({err}); it was "
+                                    "edited by hand: fix or delete that line") from None
+                break
+            good += len(line)
+        return records, good, data[good:]
 
     def read(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return self._lines()[0]
+
+    def repair(self) -> bytes:
+        """Cut a torn last line off the file; returns what was cut (b"" if nothing)."""
+        _, good, tail = self._lines()
+        if tail:
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                os.fsync(f.fileno())
+        return tail
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (written after the checkpoint a run resumes from)."""

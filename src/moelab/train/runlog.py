@@ -7,31 +7,64 @@ to a lab experiment, every step and event is mirrored into its SQLite store too.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+from moelab.config import config_from_dict, config_to_dict
+from moelab.errors import ConfigError
 from moelab.train.metrics import JsonlLog
-
-LAB_RUN_FILE = "lab_run.json"  # remembers the lab run id across restarts of one run dir
+from moelab.train.rundir import EVENTS_FILE, LAB_RUN_FILE, METRICS_FILE, config_changes
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, experiment: str | None, config: dict):
-        self.metrics = JsonlLog(run_dir / "metrics.jsonl")
-        self.events = JsonlLog(run_dir / "events.jsonl")
+    def __init__(self, run_dir: Path, experiment: str | None, config: dict,
+                 allow_config_change: bool = False):
+        self.metrics = JsonlLog(run_dir / METRICS_FILE)
+        self.events = JsonlLog(run_dir / EVENTS_FILE)
         self.store, self.run_id = None, None
         if experiment:
-            self._attach(run_dir, experiment, config)
+            self._attach(run_dir, experiment, config, allow_config_change)
+        self._repair()
 
-    def _attach(self, run_dir: Path, experiment: str, config: dict) -> None:
+    def _repair(self) -> None:
+        """Cut lines torn by a kill or a full disk, and say so: appending after a torn
+        line would glue two records into one unreadable line."""
+        for log in (self.metrics, self.events):
+            torn = log.repair()
+            if torn:
+                message = (f"{log.path.name}: removed a torn last line ({len(torn)} bytes: "
+                           f"{torn[:60]!r}), left by an interrupted write")
+                print(message, file=sys.stderr, flush=True)
+                last = self.metrics.read()
+                self.event(last[-1]["step"] if last else 0, "torn_line", message)
+
+    def _attach(self, run_dir: Path, experiment: str, config: dict, allow_change: bool) -> None:
         from moelab.lab.store import Store, default_lab_path
 
         self.store = Store(default_lab_path())
         marker = run_dir / LAB_RUN_FILE
         if marker.exists():
             self.run_id = json.loads(marker.read_text())["run_id"]
-        else:
-            self.run_id = self.store.start_run(experiment, str(run_dir), config)
-            marker.write_text(json.dumps({"run_id": self.run_id, "experiment": experiment}))
+            return
+        changes = self._differs_from_snapshot(experiment, config, allow_change)
+        self.run_id = self.store.start_run(experiment, str(run_dir), config)
+        marker.write_text(json.dumps({"run_id": self.run_id, "experiment": experiment}))
+        if changes:
+            changed = {k: {"old": a, "new": b} for k, (a, b) in changes.items()}
+            self.event(0, "config_change", f"run config differs from experiment {experiment}'s "
+                       f"snapshot: {json.dumps(changed)}")
+
+    def _differs_from_snapshot(self, experiment: str, config: dict, allow_change: bool) -> dict:
+        """The open-lab rule: a run attached to an experiment runs the config on record."""
+        snapshot = config_to_dict(config_from_dict(self.store.get_experiment(experiment).config))
+        changes = config_changes(snapshot, config)
+        if changes and not allow_change:
+            listed = "; ".join(f"{k}: experiment {a!r}, run {b!r}" for k, (a, b) in
+                               changes.items())
+            raise ConfigError(f"the config differs from experiment {experiment}'s snapshot "
+                              f"({listed}); run its config, or pass --allow-config-change to "
+                              "record the change")
+        return changes
 
     def step(self, step: int, record: dict) -> None:
         self.metrics.write({"step": step, **record})
@@ -47,6 +80,10 @@ class RunLog:
     def finish(self, status: str, message: str = "") -> None:
         if self.store is not None:
             self.store.finish_run(self.run_id, status, message)
+
+    def last_record(self, step: int) -> dict:
+        """The metrics logged for `step` (a finished run's summary), or {}."""
+        return next((r for r in reversed(self.metrics.read()) if r.get("step") == step), {})
 
     def rewind_to(self, step: int) -> None:
         """Forget metrics of steps after `step`: they are about to be recomputed."""

@@ -1,52 +1,89 @@
 """Restart a crashed training worker from its last checkpoint, without a human.
 
 The supervisor runs the same `moelab train` command as a child process. A worker that
-dies of anything but bad input (exit 2) or divergence (exit 3) is restarted after an
+dies of anything but bad input, divergence or an interruption is restarted after an
 exponential backoff; since the trainer resumes from its last checkpoint by itself, a
 hardware fault costs the steps since that checkpoint plus a restart. Every fault is
 logged as a `restart` event; after `max_restarts` the supervisor gives up, loudly.
+
+The worker never outlives the supervisor: it runs in its own session (so a terminal's
+Ctrl-C reaches it once, forwarded, not twice) and asks the kernel for SIGTERM when its
+parent dies (Linux `PR_SET_PDEATHSIG`), which makes it save a checkpoint and exit.
+SIGTERM/SIGINT sent to the supervisor are forwarded to the worker, and the run counts
+as stopped, not crashed.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from moelab.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR
+from moelab.train.interrupt import SIGNALS
+from moelab.train.rundir import WORKER_PID_FILE
 from moelab.train.runlog import RunLog
 
-NO_RETRY = {0: "finished", 2: "bad input", 3: "divergence"}
-WORKER_PID_FILE = "worker.pid"
+NO_RETRY = {EXIT_OK: "finished", EXIT_USER_ERROR: "bad input", EXIT_DIVERGED: "divergence",
+            EXIT_INTERRUPTED: "stopped"}
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the forked worker, before exec: SIGTERM me when the supervisor dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # the supervisor died before prctl took effect
+        os._exit(EXIT_INTERRUPTED)
 
 
 def supervise(worker_argv: list[str], run_dir: Path, max_restarts: int,
               backoff_s: float = 1.0, experiment: str | None = None) -> int:
     """Run `moelab <worker_argv>` until it finishes, restarting it up to max_restarts times."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    restarts = 0
-    while True:
-        worker = subprocess.Popen([sys.executable, "-m", "moelab.cli", *worker_argv])
-        (run_dir / WORKER_PID_FILE).write_text(str(worker.pid))
-        code = worker.wait()
-        if code in NO_RETRY:
-            return code
-        log = RunLog(run_dir, experiment, {})
-        step = last_step(log)
-        if restarts >= max_restarts:
-            message = (f"worker failed (exit {code}) after {restarts} restarts; giving up. "
-                       f"The last checkpoint in {run_dir / 'checkpoints'} is intact.")
-            log.event(step, "gave_up", message)
-            log.finish("failed", message)
-            print(f"moelab train: {message}", file=sys.stderr)
-            return 1
-        restarts += 1
-        wait = backoff_s * 2 ** (restarts - 1)
-        message = (f"worker died (exit {code}) near step {step}; "
-                   f"restart {restarts}/{max_restarts} in {wait:.1f}s")
-        log.event(step, "restart", message)
-        print(f"moelab train: {message}", file=sys.stderr, flush=True)
-        time.sleep(wait)
+    restarts, stopping, worker = 0, [], None
+
+    def forward(signum: int, frame) -> None:
+        stopping.append(signum)
+        if worker is not None and worker.poll() is None:
+            worker.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in SIGNALS}
+    parent = os.getpid()
+    try:
+        while True:
+            worker = subprocess.Popen([sys.executable, "-m", "moelab.cli", *worker_argv],
+                                      start_new_session=True,
+                                      preexec_fn=lambda: _die_with_parent(parent))
+            (run_dir / WORKER_PID_FILE).write_text(str(worker.pid))
+            code = worker.wait()
+            if code in NO_RETRY or stopping:
+                return code if code >= 0 else EXIT_INTERRUPTED
+            log = RunLog(run_dir, experiment, {})
+            step = last_step(log)
+            if restarts >= max_restarts:
+                message = (f"worker failed (exit {code}) after {restarts} restarts; giving up. "
+                           f"The last good checkpoint in {run_dir} is kept.")
+                log.event(step, "gave_up", message)
+                log.finish("failed", message)
+                print(f"moelab train: {message}", file=sys.stderr)
+                return EXIT_FAILED
+            restarts += 1
+            wait = backoff_s * 2 ** (restarts - 1)
+            message = (f"worker died (exit {code}) near step {step}; "
+                       f"restart {restarts}/{max_restarts} in {wait:.1f}s")
+            log.event(step, "restart", message)
+            print(f"moelab train: {message}", file=sys.stderr, flush=True)
+            time.sleep(wait)
+            if stopping:
+                return EXIT_INTERRUPTED
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def last_step(log: RunLog) -> int:

@@ -1,0 +1,146 @@
+"""The run directory's contract: its file names, its lock, and its config as identity.
+
+A run directory holds one run. Its files, each named only here:
+
+    config.yaml            the config of the first start: the run's identity
+    config.step-N.yaml     a config accepted with --allow-config-change at step N
+    metrics.jsonl          one JSON line per step (rewound to the checkpoint on resume)
+    events.jsonl           resume, restart, spike, nan, interrupted, config_change, ...
+    checkpoints/N/         orbax checkpoint of step N, with its integrity record
+    checkpoints.bad/       checkpoints that failed verification, moved aside, never deleted
+    train.lock             advisory lock held by the one trainer writing here (its pid)
+    worker.pid             pid of the supervisor's current worker
+    lab_run.json           the lab run id this directory reports to
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from moelab.config import Config, config_to_dict, dump_config
+from moelab.errors import ConfigError, UserError
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+QUARANTINE_DIR = "checkpoints.bad"
+LOCK_FILE = "train.lock"
+WORKER_PID_FILE = "worker.pid"
+LAB_RUN_FILE = "lab_run.json"
+
+_CHANGED_CONFIG = re.compile(r"config\.step-(\d+)\.yaml")
+
+
+class RunDirLock:
+    """An exclusive advisory `fcntl` lock on the run directory, held while training.
+
+    The OS releases it when the holder dies (even by SIGKILL), so a stale lock never
+    blocks a restart; a second live trainer on the same directory is refused with the
+    holder's pid instead of interleaving its steps with the first one's.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunDirLock:
+        if self.path.parent.exists() and not self.path.parent.is_dir():
+            raise UserError(f"--run-dir {self.path.parent} is a file, not a directory; "
+                            "pass a directory path")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            raise UserError(f"{self.path.parent} is in use by another trainer (pid {holder}); "
+                            "wait for it to finish or stop it, or pass another --run-dir"
+                            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock; the file stays, harmlessly
+            self._fd = None
+
+
+def current_config_path(run_dir: Path) -> Path:
+    """The config the run last trained with: config.yaml or the newest accepted change."""
+    changes = [(int(m.group(1)), p) for p in Path(run_dir).glob("config.step-*.yaml")
+               if (m := _CHANGED_CONFIG.fullmatch(p.name))]
+    return max(changes)[1] if changes else Path(run_dir) / CONFIG_FILE
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "mixture":
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{dotted field: (old, new)} for every field whose value differs."""
+    a, b = _flatten(old), _flatten(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+# Where the run is placed, not what it computes: resuming onto another mesh shape (after
+# losing a host, say) is allowed without --allow-config-change, and still recorded.
+PLACEMENT = ("mesh.", "distributed.")
+
+
+def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, tuple]:
+    """Compare `cfg` with the run's config; refuse a change unless `allow_change` (changes
+    of placement only, PLACEMENT, are always accepted).
+
+    Returns the accepted changes ({} for a fresh run or an identical config); the caller
+    saves them with `save_config` once the start has passed every other check and it
+    knows the step they take effect at. Writes nothing, so a refused start leaves the
+    run directory as it was.
+    """
+    import yaml
+
+    path = current_config_path(run_dir)
+    if not path.exists():
+        return {}
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not readable YAML ({err}); restore it or use a new "
+                        "--run-dir") from err
+    changes = config_changes(saved if isinstance(saved, dict) else {}, config_to_dict(cfg))
+    refused = {k: v for k, v in changes.items() if not k.startswith(PLACEMENT)}
+    if refused and not allow_change:
+        listed = "; ".join(f"{k}: run {a!r}, now {b!r}" for k, a, b in
+                           ((k, *v) for k, v in refused.items()))
+        raise ConfigError(f"the config differs from the run's {path.name} in {run_dir} "
+                          f"(incompatible config: {listed}); rerun with the run's config, "
+                          "use a new --run-dir, or pass --allow-config-change to record the "
+                          "change and continue")
+    return changes
+
+
+def save_config(run_dir: Path, cfg: Config, step: int, changed: bool) -> Path | None:
+    """Write config.yaml on the first start; after an accepted change, save the new config
+    beside the old ones as the one later starts compare with. Returns the file written."""
+    first = Path(run_dir) / CONFIG_FILE
+    if first.exists() and not changed:
+        return None
+    path = Path(run_dir) / f"config.step-{step}.yaml" if first.exists() else first
+    path.write_text(dump_config(cfg))
+    return path
