@@ -14,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+import yaml
+from conftest import COMPILE_CACHE
 
 from moelab.lab.store import Store
 
@@ -33,15 +35,13 @@ def no_network_prefix() -> list[str]:
 @pytest.mark.slow  # a real training process plus wandb's service: ~30 s idle, minutes loaded
 def test_offline_wandb_run_holds_every_logged_step_and_metric(tmp_path, write_config):
     lab = tmp_path / "lab.sqlite"
-    with Store(lab) as store:
-        exp = store.new_experiment("wandb mirror", "nothing lost", {}, None)
-    env = {**os.environ, "MOELAB_LAB": str(lab), "MOELAB_WANDB": "offline",
-           "MOELAB_WANDB_PROJECT": "moelab-test", "WANDB_DIR": str(tmp_path),
-           "WANDB_SILENT": "true", "WANDB_API_KEY": "",
-           # the compile cache tests/test_train.py shares across its training processes
-           "JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     config = write_config(train={"steps": 8, "log_every": 2, "eval_every": 4})
+    with Store(lab) as store:  # the snapshot is the config the run uses, as `lab new` takes it
+        exp = store.new_experiment("wandb mirror", "nothing lost",
+                                   yaml.safe_load(config.read_text()), None)
+    env = {**os.environ, **COMPILE_CACHE, "MOELAB_LAB": str(lab), "MOELAB_WANDB": "offline",
+           "MOELAB_WANDB_PROJECT": "moelab-test", "WANDB_DIR": str(tmp_path),
+           "WANDB_SILENT": "true", "WANDB_API_KEY": ""}
     cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config),
            "--run-dir", str(tmp_path / "run"), "--experiment", exp]
     proc = subprocess.run([*no_network_prefix(), *cmd], capture_output=True, text=True,
