@@ -62,3 +62,64 @@ def fake_devices_env(n: int, **extra: str) -> dict[str, str]:
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
             "JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", **extra}
+
+
+# ------------------------------------------------------------------------------ lab
+
+# A string that would run if any page let it through: as HTML, or by closing a JSON block.
+EVIL = "</script><script>window.__pwned = 1</script>"
+
+
+@pytest.fixture(scope="module")
+def sample_lab(tmp_path_factory) -> Path:
+    """A lab with two experiments. exp-1: two MoE runs logging every metric the trainer
+    logs, a spike, a restart, a prediction, configs that differ in lr, planned for 1000
+    steps but stopped at 40 and 30; exp-2: a dense run whose name, hypothesis, run dir
+    and event message are EVIL, logging only loss."""
+    from moelab.lab.store import Store
+
+    path = tmp_path_factory.mktemp("lab") / "lab.sqlite"
+    with Store(path) as store:
+        moe = store.new_experiment("moe-baseline", "loss reaches 2.0", {}, "abc+dirty")
+        store.add_prediction(moe, "final loss", 2.0, 1.8, 2.2, {"metric": "loss"})
+        for lr, steps, scale in ((1e-3, 40, 5.0), (3e-3, 30, 4.5)):
+            run = store.start_run(moe, f"runs/moe-{lr}",
+                                  {"optim": {"lr": lr}, "train": {"steps": 1000}})
+            for step in range(steps):
+                store.log_metrics(run, step, {
+                    "loss": scale / (1 + step / 8), "grad_norm": 9.0 if step == 20 else 1.0,
+                    "val_loss/web": 1.1 * scale / (1 + step / 8), "drop_frac/layer_0": 0.1,
+                    "expert_load_max_over_mean/layer_0": 1.5,
+                    "expert_load_max_over_mean/layer_1": 1.2, "lr": lr})
+        store.log_event("run-1", 20, "spike", "grad norm 9.0")
+        store.log_event("run-1", 30, "restart", f"resumed from step 25 {EVIL}")
+        store.finish_run("run-1", "failed", "preempted")
+        dense = store.new_experiment(EVIL, f"escaping {EVIL}", {}, None)
+        dense_run = store.start_run(dense, EVIL, {})
+        store.log_metrics(dense_run, 0, {"loss": 4.0})
+        store.log_event(dense_run, 0, EVIL, EVIL)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory):
+    """A headless Chromium driven by selenium, offline, collecting the console log (so a
+    test can assert that no script error or CSP violation happened)."""
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium")
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (binary and driver):
+        pytest.skip("no chromium/chromedriver: apt-get install chromium chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking", "--no-proxy-server",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                 "--window-size=1280,1600",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(driver))
+    yield browser
+    browser.quit()

@@ -71,3 +71,92 @@ def test_bad_input_is_one_line_and_exit_2(moelab, config, tmp_path):
     (tmp_path / "lab.sqlite").write_bytes(b"garbage" * 1000)
     code, _, err = moelab("list")
     assert code == 2 and "not a readable moelab lab database" in err
+
+
+def test_lab_option_after_the_subcommand_and_presets(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "PARTS", ["moelab.lab.cli"])
+    monkeypatch.chdir(tmp_path)
+    lab = str(tmp_path / "other.sqlite")
+    assert cli.main(["lab", "new", "x", "--hypothesis", "h", "--config", "tiny",
+                     "--lab", lab]) == 0
+    assert capsys.readouterr().out.strip() == "exp-1"
+    with Store(lab) as store:  # the preset's YAML is the snapshot
+        assert store.get_experiment("exp-1").config["model"]["d_model"] > 0
+    assert cli.main(["lab", "--lab", lab, "list"]) == 0  # before the subcommand too
+    assert "exp-1" in capsys.readouterr().out
+    assert cli.main(["lab", "list", "--lab", str(tmp_path / "missing.sqlite")]) == 2
+    assert "no lab database at" in capsys.readouterr().err
+
+
+def test_every_lab_option_has_help_and_shows_its_default(monkeypatch):
+    import argparse
+
+    monkeypatch.setattr(cli, "PARTS", ["moelab.lab.cli"])
+    lab = next(a for a in cli.build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction)).choices["lab"]
+    commands = next(a for a in lab._actions if isinstance(a, argparse._SubParsersAction))
+    assert {"new", "list", "show", "finish", "report", "publish", "serve"} <= set(
+        commands.choices)
+    for name, parser in commands.choices.items():
+        for action in parser._actions:
+            assert action.help, f"lab {name} {action.dest} has no help"
+    serve_help = commands.choices["serve"].format_help()
+    assert "(default: 8765)" in serve_help and "(default: 127.0.0.1)" in serve_help
+
+
+def test_version(capsys):
+    import moelab
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"moelab {moelab.__version__}"
+
+
+def test_publish_writes_a_site(moelab, config, tmp_path):
+    moelab("new", "q", "--hypothesis", "h", "--config", str(config))
+    code, out, _ = moelab("publish", str(tmp_path / "site"))
+    assert code == 0 and "wrote 3 pages" in out  # index, findings, one experiment
+    assert (tmp_path / "site/static/plotly.min.js").is_file()
+    (tmp_path / "file").write_text("")
+    code, _, err = moelab("publish", str(tmp_path / "file"))
+    assert code == 2 and "is a file" in err
+
+
+def test_serve_refuses_bad_and_busy_ports_in_one_line(moelab, config, tmp_path):
+    import socket
+
+    moelab("new", "q", "--hypothesis", "h", "--config", str(config))
+    code, _, err = moelab("serve", "--port", "99999")
+    assert code == 2 and "0..65535" in err and len(err.strip().splitlines()) == 1
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code, _, err = moelab("serve", "--port", str(busy.getsockname()[1]))
+    assert code == 2 and "cannot listen on" in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_of_every_part_shows_each_default():
+    """`moelab X --help` for every part and subcommand: an option with help text and a
+    default shows the default (argparse cannot show it for an option with no help text;
+    test_every_lab_option_has_help_and_shows_its_default holds the lab to having it)."""
+    import argparse
+
+    def parsers(parser: argparse.ArgumentParser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    checked = 0
+    for parser in parsers(cli.build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            default = action.default
+            if (action.option_strings and action.help and action.help != argparse.SUPPRESS
+                    and default is not None and default is not False and default != []
+                    and default != argparse.SUPPRESS and not action.required):
+                assert str(default) in text, f"{parser.prog} {action.option_strings}"
+                checked += 1
+    assert checked >= 5  # lab serve alone has --host and --port

@@ -11,6 +11,7 @@ import errno
 import importlib
 import sys
 
+from moelab import __version__
 from moelab.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
 
 PARTS = [
@@ -22,8 +23,29 @@ PARTS = [
 ]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (a required option,
+    a None/False/[] default) or the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        nothing = action.default is None or action.default is False or action.default == []
+        if action.required or nothing or "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose help shows defaults; subcommand parsers are of this class
+    too (argparse makes them with the parent's type), so every part's options show theirs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moelab", description=__doc__.splitlines()[0])
+    parser = Parser(prog="moelab", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in PARTS:
         try:

@@ -1,5 +1,7 @@
 """moelab.lab: the open lab notebook.
 
-records (experiments, runs, status rules), store (one SQLite file per lab), report
-(HTML/Markdown/PNG), dashboard (read-only, localhost), mirror (optional W&B), cli.
+records (experiments, runs, status rules), store (one SQLite file per lab), report (the
+shared view of an experiment: tables, Markdown, PNG), site (HTML pages with interactive
+charts, static publishing, findings), dashboard (the site live, read-only, localhost),
+mirror (optional W&B), cli; static/ holds charts.js.
 """

@@ -1,6 +1,7 @@
 """`moelab lab ...`: plan experiments, end them with an outcome, and read them back.
 
-Reports and the dashboard pull in matplotlib, so they are imported inside their handlers.
+Reports, the site and the dashboard pull in matplotlib, so they are imported inside their
+handlers.
 """
 
 from __future__ import annotations
@@ -15,40 +16,57 @@ import yaml
 from moelab.config import load_config
 from moelab.lab.records import ENDED, current_git_commit
 from moelab.lab.store import Store, default_lab_path
+from moelab.train.cli import PRESETS, config_path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    lab_help = "lab database file (default: $MOELAB_LAB, else runs/lab.sqlite)"
     lab = subparsers.add_parser("lab", help="experiment records, metrics, reports, dashboard")
-    lab.add_argument("--lab", type=Path, default=None,
-                     help="lab database file (default: $MOELAB_LAB, else runs/lab.sqlite)")
+    lab.add_argument("--lab", type=Path, default=None, help=lab_help)
+    # --lab is accepted after the subcommand too (`moelab lab list --lab X`); SUPPRESS keeps
+    # a subcommand without it from resetting one given before.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--lab", type=Path, default=argparse.SUPPRESS, help=lab_help)
     commands = lab.add_subparsers(dest="lab_command", required=True)
 
-    new = commands.add_parser("new", help="plan an experiment; prints its id")
-    new.add_argument("name")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, description=help, parents=[common])
+
+    new = command("new", "plan an experiment; prints its id")
+    new.add_argument("name", help="the question the experiment answers, in a few words")
     new.add_argument("--hypothesis", required=True, help="what you expect, before running")
-    new.add_argument("--config", required=True, type=Path, help="the YAML config it will run")
+    new.add_argument("--config", required=True,
+                     help=f"the config it will run: a YAML file or a preset ({', '.join(PRESETS)})")
     new.set_defaults(func=_new)
 
-    commands.add_parser("list", help="all experiments").set_defaults(func=_list)
+    command("list", "all experiments").set_defaults(func=_list)
 
-    show = commands.add_parser("show", help="one experiment as Markdown")
-    show.add_argument("id")
+    show = command("show", "one experiment as Markdown")
+    show.add_argument("id", help="experiment id, e.g. exp-1")
     show.set_defaults(func=_show)
 
-    finish = commands.add_parser("finish", help="end an experiment, saying what happened")
-    finish.add_argument("id")
-    finish.add_argument("--status", required=True, choices=ENDED)
+    finish = command("finish", "end an experiment, saying what happened")
+    finish.add_argument("id", help="experiment id, e.g. exp-1")
+    finish.add_argument("--status", required=True, choices=ENDED, help="how it ended")
     finish.add_argument("--outcome", required=True, help="what happened, failures included")
     finish.set_defaults(func=_finish)
 
-    report = commands.add_parser("report", help="write report.html, summary.md and PNG plots")
-    report.add_argument("id")
-    report.add_argument("--out", type=Path, default=None, help="default: runs/reports/ID")
+    report = command("report", "write report.html (interactive), summary.md and PNG plots")
+    report.add_argument("id", help="experiment id, e.g. exp-1")
+    report.add_argument("--out", type=Path, default=None,
+                        help="directory (default: runs/reports/ID)")
     report.set_defaults(func=_report)
 
-    serve = commands.add_parser("serve", help="read-only dashboard on localhost")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8765)
+    publish = command("publish", "write the whole lab as a static site (works from file://)")
+    publish.add_argument("out", type=Path, metavar="OUT_DIR", help="directory to write into")
+    publish.set_defaults(func=_publish)
+
+    serve = command("serve", "read-only dashboard on localhost")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address")
+    serve.add_argument("--port", type=int, default=8765, help="TCP port (0: any free one)")
+    serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                       help="also answer requests whose Host header is NAME (repeatable; "
+                            "localhost and the bind address always are)")
     serve.set_defaults(func=_serve)
 
 
@@ -57,8 +75,9 @@ def _open(args: argparse.Namespace, mode: Literal["rwc", "rw", "ro"]) -> Store:
 
 
 def _new(args: argparse.Namespace) -> None:
-    load_config(args.config)  # refuse a config that could not run
-    snapshot = yaml.safe_load(args.config.read_text()) or {}
+    path = config_path(args.config)
+    load_config(path)  # refuse a config that could not run
+    snapshot = yaml.safe_load(path.read_text()) or {}
     with _open(args, "rwc") as store:
         print(store.new_experiment(args.name, args.hypothesis, snapshot, current_git_commit()))
 
@@ -76,7 +95,7 @@ def _show(args: argparse.Namespace) -> None:
     from moelab.lab.report import load_view, render_markdown
 
     with _open(args, "ro") as store:
-        print(render_markdown(load_view(store, args.id)))
+        print(render_markdown(load_view(store, args.id)), end="")  # it ends with a newline
 
 
 def _finish(args: argparse.Namespace) -> None:
@@ -86,17 +105,26 @@ def _finish(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from moelab.lab.report import write_report
+    from moelab.lab.site import write_report
 
     with _open(args, "ro") as store:
         for path in write_report(store, args.id, args.out or Path("runs/reports") / args.id):
             print(path)
 
 
+def _publish(args: argparse.Namespace) -> None:
+    from moelab.lab.site import publish
+
+    with _open(args, "ro") as store:
+        pages = publish(store, args.out)
+    print(f"wrote {len(pages)} pages to {args.out}; open {args.out / 'index.html'}")
+
+
 def _serve(args: argparse.Namespace) -> None:
     from moelab.lab.dashboard import make_server
 
-    server = make_server(args.lab or default_lab_path(), args.host, args.port)
+    server = make_server(args.lab or default_lab_path(), args.host, args.port,
+                         allowed_hosts=args.allow_host)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: {args.host} may expose the dashboard beyond this machine",
               file=sys.stderr)

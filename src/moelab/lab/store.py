@@ -249,6 +249,18 @@ class Store:
         )
         return [(step, math.nan if value is None else value) for step, value in rows]
 
+    def all_metrics(self, run_id: str) -> dict[str, list[tuple[int, float]]]:
+        """Every metric of a run as {name: (step, value) pairs in step order}, in one query:
+        what an interactive chart page embeds."""
+        rows = self._db.execute(
+            "SELECT name, step, value FROM metrics WHERE run_id = ? ORDER BY name, step",
+            (run_id,),
+        )
+        series: dict[str, list[tuple[int, float]]] = {}
+        for name, step, value in rows:
+            series.setdefault(name, []).append((step, math.nan if value is None else value))
+        return series
+
     def latest(self, run_id: str) -> dict[str, tuple[int, float]]:
         """Each metric's last (step, value): what a summary shows and the dashboard polls."""
         rows = self._db.execute(
