@@ -33,7 +33,7 @@ def fake_devices_env(n: int, **extra: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def report() -> dict:
     done = subprocess.run([sys.executable, __file__], env=fake_devices_env(DEVICES),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=1200)  # a hang guard
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -60,6 +60,9 @@ class MoEConfig:
     # step from the global batch's expert loads (set loss.aux_weight: 0 for no aux loss).
     balance: Literal["aux_loss", "bias_sign", "bias_quantile"] = "aux_loss"
     bias_rate: float = 1e-3  # bias_sign: bias_e += bias_rate * sign(mean_load - load_e)
+    # bias_quantile: bias += quantile_rate * (this batch's fair-share bias - bias); 1.0 is
+    # Marin's hard set, smaller averages the one-batch estimate over ~1/rate steps
+    quantile_rate: float = 0.1
     shared_expert: bool = False  # an always-on expert beside the routed ones
     d_ff_shared: int = 0  # 0 means d_ff
     dispatch: Literal["capacity", "pooled", "pooled_wave", "dropless"] = "dropless"
@@ -295,6 +298,7 @@ def _validate_positive(config: Config) -> None:
     _require(moe.waves > 0, "moe.waves", f"must be > 0, got {moe.waves}")
     _require(moe.routed_scaling > 0, "moe.routed_scaling", "must be > 0")
     _require(moe.bias_rate >= 0, "moe.bias_rate", "must be >= 0")
+    _require(0 < moe.quantile_rate <= 1, "moe.quantile_rate", "must be in (0, 1]")
     _require(o.lr > 0, "optim.lr", "must be > 0")
     _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
