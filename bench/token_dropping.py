@@ -91,7 +91,7 @@ def routed_experts(model, tokens: jax.Array) -> jax.Array:
         u = block.ffn_norm(h)
         if isinstance(block.ffn, MoE):
             logits = jnp.einsum("bsd,de->bse", u, block.ffn.router)
-            chosen.append(route(logits, block.ffn.moe)[0].experts)
+            chosen.append(route(logits, block.ffn.moe, block.ffn.bias)[0].experts)
             x = h + block.ffn(u)[0]
         else:
             x = h + block.ffn(u)

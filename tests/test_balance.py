@@ -107,14 +107,14 @@ def test_optimizer_never_holds_nor_decays_the_bias():
 
 @pytest.mark.parametrize("balance", ["bias_sign", "bias_quantile"])
 def test_train_step_moves_each_layers_bias_by_its_own_loads(balance):
-    model, _, parts = run_steps(balance, 1, bias_rate=0.01)
+    model, _, parts = run_steps(balance, 1, bias_rate=0.01, quantile_rate=0.1)
     layers = moe_layers(model)
     assert len(layers) == 2 and parts["tokens_per_expert"].shape == (2, 4)
     for i, layer in enumerate(layers):
         if balance == "bias_sign":
             want = sign_rule(jnp.zeros(4), parts["tokens_per_expert"][i], 0.01)
         else:
-            want = parts["quantile_bias"][i]
+            want = 0.1 * parts["quantile_bias"][i]  # quantile_rate 0.1, from a zero bias
         np.testing.assert_array_equal(layer.bias, want)
         assert float(jnp.ptp(layer.bias)) > 0
     np.testing.assert_allclose(parts["bias_range"], [float(jnp.ptp(b.bias)) for b in layers])

@@ -1,5 +1,6 @@
 """The Hugging Face export computes what moelab computes: same logits, same greedy tokens."""
 
+import dataclasses
 import json
 
 import jax
@@ -10,8 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_export import TINY, logits_of, tiny  # noqa: E402  (tests/ is on sys.path)
+from test_export import TINY, logits_of, random_model, tiny  # noqa: E402  (tests/ on path)
 
+from moelab.config import Config, MoEConfig  # noqa: E402
 from moelab.export.generate import generate  # noqa: E402
 from moelab.export.hf import export_hf  # noqa: E402
 
@@ -69,3 +71,43 @@ def test_tokenizer_loads_offline_with_autotokenizer(tmp_path):
     assert hf_tok.eos_token == EOS
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == tokenizer.token_to_id(EOS) == hf_tok.eos_token_id
+
+
+def glm_model():
+    """Sigmoid router, shared expert 2 x d_ff wide, selection bias, routed scaling, no QK-norm.
+
+    random_model draws every 1-D leaf as 1 + 0.3 N(0, 1): the biases then differ by
+    ~0.3 between experts, as much as the sigmoid scores do, so they change the choice.
+    """
+    moe = MoEConfig(n_experts=4, top_k=2, router="sigmoid", shared_expert=True,
+                    d_ff_shared=2 * TINY.d_ff, balance="bias_sign", routed_scaling=2.5)
+    cfg = Config(model=dataclasses.replace(TINY, qk_norm=False), moe=moe)
+    return random_model(cfg, seed=1), cfg
+
+
+def test_sigmoid_shared_bias_model_exports_to_glm4moe(tmp_path):
+    from moelab.model.router import route
+
+    model, cfg = glm_model()
+    hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
+    assert type(hf).__name__ == "Glm4MoeForCausalLM"
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (1, 37), 0, TINY.vocab_size))
+    ours = np.asarray(logits_of(model, jnp.asarray(tokens)))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens)).logits.numpy()
+    err = float(np.max(np.abs(ours - theirs)))
+    print(f"max |logit error| (Glm4Moe): {err:.2e}")
+    assert np.std(ours) > 0.5 and err < 1e-4
+    # the bias matters: without it some token picks other experts
+    layer = model.blocks[1].ffn
+    x = jax.random.normal(jax.random.key(3), (1, 64, TINY.d_model))
+    logits = jnp.einsum("bsd,de->bse", x, layer.router)
+    with_bias, _ = route(logits, cfg.moe, layer.bias)
+    without, _ = route(logits, cfg.moe)
+    assert bool(jnp.any(jnp.sort(with_bias.experts) != jnp.sort(without.experts)))
+    prompt = [5, 17, 42, 3, 88]
+    greedy = generate(model, prompt, max_new_tokens=32)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32,
+                          min_new_tokens=32)
+    assert greedy == out[0, len(prompt):].tolist()

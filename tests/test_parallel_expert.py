@@ -25,7 +25,7 @@ WAVE_CASES = [(8, 1), (4, 3)]  # (expert shards, waves); 8 / shards data shards
 @pytest.fixture(scope="module")
 def report() -> dict:
     done = subprocess.run([sys.executable, __file__], env=fake_devices_env(DEVICES),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=1200)  # a hang guard
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -66,6 +66,9 @@ class MoEConfig:
     # step from the global batch's expert loads (set loss.aux_weight: 0 for no aux loss).
     balance: Literal["aux_loss", "bias_sign", "bias_quantile"] = "aux_loss"
     bias_rate: float = 1e-3  # bias_sign: bias_e += bias_rate * sign(mean_load - load_e)
+    # bias_quantile: bias += quantile_rate * (this batch's fair-share bias - bias); 1.0 is
+    # Marin's hard set, smaller averages the one-batch estimate over ~1/rate steps
+    quantile_rate: float = 0.1
     shared_expert: bool = False  # an always-on expert beside the routed ones
     d_ff_shared: int = 0  # 0 means d_ff
     dispatch: Literal["capacity", "pooled", "pooled_wave", "dropless"] = "dropless"
@@ -346,7 +349,8 @@ def _validate_numbers(config: Config) -> None:
             _require(value > bound, name, f"must be > {bound}, got {value}")
         elif op == ">=":
             _require(value >= bound, name, f"must be >= {bound}, got {value}")
-    o = config.optim
+    moe, o = config.moe, config.optim
+    _require(0 < moe.quantile_rate <= 1, "moe.quantile_rate", "must be in (0, 1]")
     _require(o.b1 < 1, "optim.b1", f"must be in [0, 1), got {o.b1}")
     _require(o.b2 < 1, "optim.b2", f"must be in [0, 1), got {o.b2}")
     _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")

@@ -1,4 +1,4 @@
-"""Export a moelab Transformer as a Hugging Face `transformers` Qwen3-MoE checkpoint.
+"""Export a moelab Transformer as a Hugging Face `transformers` Qwen3-MoE or Glm4Moe checkpoint.
 
 Qwen3-MoE (`Qwen3MoeForCausalLM`) computes the same function as our model, term by term:
 pre-norm RMSNorm blocks, GQA attention with an RMSNorm over each head's queries and keys
@@ -7,8 +7,14 @@ before rotate-half RoPE, a softmax router with top-k and optional renormalizatio
 optionally tied embeddings. OLMoE was the other candidate; its QK-norm spans the whole
 projection rather than each head, so it cannot express ours.
 
-What Qwen3-MoE cannot express is refused by `check_exportable`, naming the field, before
-anything is written: a sigmoid router, a shared expert, and attention without QK-norm.
+Models with a sigmoid router go to Glm4Moe (`Glm4MoeForCausalLM`, GLM-4.5's architecture):
+the same blocks, plus what DeepSeek-V3-style routing needs: sigmoid scores, a selection
+bias `e_score_correction_bias` added to the *scores* (moelab's bias lives in the same
+space, so the choice is identical), `routed_scaling_factor`, always-on shared experts
+(width n_shared_experts * moe_intermediate_size), optional per-head QK-norm, and dense
+first layers (`first_k_dense_replace`). Its router has no softmax; Qwen3-MoE has no shared
+expert, bias or scaling: `check_exportable` refuses, naming the field, what neither target
+expresses, before anything is written.
 
 Weights are written in the layout of the Qwen3-MoE checkpoints on the Hub (one tensor per
 expert, `mlp.experts.{e}.gate_proj.weight`), which `transformers` fuses on load; torch
@@ -34,35 +40,56 @@ if TYPE_CHECKING:
 
     from moelab.model import Transformer
 
-ARCHITECTURE = "Qwen3MoeForCausalLM"
 WEIGHTS_FILE = "model.safetensors"
 
-# field -> (value that Qwen3-MoE cannot express, why, the fix)
-_REFUSED = {
-    "moe.router": ("sigmoid", "Qwen3-MoE routes with a softmax over all experts",
-                   "train with moe.router=softmax"),
-    "moe.shared_expert": (True, "Qwen3-MoE has no shared expert",
-                          "train with moe.shared_expert=false"),
-    "model.qk_norm": (False, "Qwen3-MoE always applies q_norm/k_norm per head",
-                      "train with model.qk_norm=true"),
-}
+
+def target(cfg: Config) -> str:
+    """The transformers architecture that computes this model: by the router's scores."""
+    return "Glm4MoeForCausalLM" if cfg.moe.router == "sigmoid" else "Qwen3MoeForCausalLM"
+
+
+def _refusals(cfg: Config) -> list[tuple[str, str, str]]:
+    """(field, why neither target can compute it, the fix) for every blocking field."""
+    m, moe = cfg.model, cfg.moe
+    if moe.router == "sigmoid":  # Glm4Moe
+        if not moe.shared_expert:
+            return [("moe.shared_expert", "Glm4Moe (the sigmoid-router target) always adds a "
+                     "shared expert and Qwen3-MoE has no sigmoid router",
+                     "train with moe.shared_expert=true or moe.router=softmax")]
+        d_shared = moe.d_ff_shared or m.d_ff
+        if d_shared % m.d_ff:
+            return [("moe.d_ff_shared", f"Glm4Moe's shared expert is a multiple of "
+                     f"model.d_ff={m.d_ff} wide, not {d_shared}",
+                     "train with a multiple of model.d_ff (or 0)")]
+        return []
+    out = []  # Qwen3-MoE
+    softmax = "Glm4Moe routes with sigmoid only and Qwen3-MoE has no"
+    if moe.shared_expert:
+        out.append(("moe.shared_expert", f"{softmax} shared expert",
+                    "train with moe.shared_expert=false, or moe.router=sigmoid"))
+    if moe.balance != "aux_loss":
+        out.append(("moe.balance", f"{softmax} selection bias",
+                    "train with moe.balance=aux_loss, or moe.router=sigmoid"))
+    if moe.routed_scaling != 1.0:
+        out.append(("moe.routed_scaling", f"{softmax} routed scaling factor",
+                    "train with moe.routed_scaling=1, or moe.router=sigmoid"))
+    if not m.qk_norm:
+        out.append(("model.qk_norm", "Qwen3-MoE always applies q_norm/k_norm per head",
+                    "train with model.qk_norm=true, or moe.router=sigmoid"))
+    return out
 
 
 def check_exportable(cfg: Config) -> None:
-    """Raise ConfigError, naming the field, if Qwen3-MoE cannot compute this model."""
-    for name, (refused, why, fix) in _REFUSED.items():
-        section, field_name = name.split(".")
-        value = getattr(getattr(cfg, section), field_name)
-        if value == refused:
-            raise ConfigError(f"{name}={value!r} cannot be exported: {why}; {fix}")
+    """Raise ConfigError, naming the field, if neither target can compute this model."""
+    for name, why, fix in _refusals(cfg):
+        value = getattr(getattr(cfg, name.split(".")[0]), name.split(".")[1])
+        raise ConfigError(f"{name}={value!r} cannot be exported: {why}; {fix}")
 
 
 def hf_config(cfg: Config, eos_token_id: int | None = None) -> dict[str, Any]:
-    """The config.json of the Qwen3-MoE model that computes `cfg`'s transformer."""
+    """The config.json of the Qwen3-MoE or Glm4Moe model that computes `cfg`'s transformer."""
     m, moe = cfg.model, cfg.moe
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3_moe",
+    common = {
         "dtype": "float32",
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
@@ -78,19 +105,34 @@ def hf_config(cfg: Config, eos_token_id: int | None = None) -> dict[str, Any]:
         "max_position_embeddings": cfg.data.seq_len,  # the context it was trained on
         "use_sliding_window": False,
         "tie_word_embeddings": m.tie_embeddings,
-        "num_experts": moe.n_experts,
         "num_experts_per_tok": moe.top_k,
         "moe_intermediate_size": m.d_ff,
         "norm_topk_prob": moe.normalize_top_k,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": list(range(m.n_dense_layers)),
         "intermediate_size": m.d_ff_dense or m.d_ff * moe.top_k,  # the dense layers' width
-        "router_aux_loss_coef": cfg.loss.aux_weight,
         "initializer_range": m.init_std,
         "use_cache": True,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
         "pad_token_id": None,
+    }
+    if target(cfg) == "Glm4MoeForCausalLM":
+        return common | {
+            "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+            "rope_parameters": {**common["rope_parameters"], "partial_rotary_factor": 1.0},
+            "n_routed_experts": moe.n_experts,
+            "n_shared_experts": (moe.d_ff_shared or m.d_ff) // m.d_ff,
+            "routed_scaling_factor": moe.routed_scaling,
+            "n_group": 1, "topk_group": 1,  # no group-limited routing
+            "first_k_dense_replace": m.n_dense_layers,
+            "use_qk_norm": m.qk_norm,
+            "num_nextn_predict_layers": 0,
+        }
+    return common | {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "num_experts": moe.n_experts,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(m.n_dense_layers)),
+        "router_aux_loss_coef": cfg.loss.aux_weight,
     }
 
 
@@ -117,12 +159,21 @@ def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
             p + "self_attn.k_proj.weight": t(attn.wk),
             p + "self_attn.v_proj.weight": t(attn.wv),
             p + "self_attn.o_proj.weight": t(attn.wo),
-            p + "self_attn.q_norm.weight": vec(attn.q_norm.weight),
-            p + "self_attn.k_norm.weight": vec(attn.k_norm.weight),
         }
+        if attn.q_norm is not None:
+            out |= {p + "self_attn.q_norm.weight": vec(attn.q_norm.weight),
+                    p + "self_attn.k_norm.weight": vec(attn.k_norm.weight)}
         if isinstance(block.ffn, MoE):
-            experts = block.ffn.experts
+            experts, moe = block.ffn.experts, block.ffn.moe
             out[p + "mlp.gate.weight"] = t(block.ffn.router)
+            if moe.router == "sigmoid":  # Glm4Moe: the bias buffer is always there
+                bias = block.ffn.bias if block.ffn.bias is not None else np.zeros(moe.n_experts)
+                out[p + "mlp.gate.e_score_correction_bias"] = vec(bias)
+            if block.ffn.shared is not None:
+                shared = block.ffn.shared
+                out |= {p + "mlp.shared_experts.gate_proj.weight": t(shared.w_gate),
+                        p + "mlp.shared_experts.up_proj.weight": t(shared.w_up),
+                        p + "mlp.shared_experts.down_proj.weight": t(shared.w_down)}
             for e in range(experts.n_experts):
                 q = f"{p}mlp.experts.{e}."
                 out |= {q + "gate_proj.weight": t(experts.w_gate[e]),
@@ -175,7 +226,7 @@ def export_hf(
     out_dir: str | Path,
     tokenizer: Tokenizer | None = None,
 ) -> Path:
-    """Write `model` (trained with `cfg`) to out_dir as a Qwen3-MoE checkpoint.
+    """Write `model` (trained with `cfg`) to out_dir as a Qwen3-MoE or Glm4Moe checkpoint.
 
     out_dir must not exist or be empty. Everything is written to a temporary sibling that
     is renamed into place last, so a failed export never leaves a partial directory.

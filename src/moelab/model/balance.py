@@ -5,8 +5,9 @@ reduced over every data/expert shard, so every device computes the same new bias
 
   bias_sign      bias_e += rate * sign(mean_load - load_e), then zero-meaned
                  (DeepSeek-V3; torchtitan, OLMo-core, MaxText)
-  bias_quantile  bias = the bias that would have given every expert exactly its share of
-                 this batch (Marin's "QB"; see router.quantile_bias), zero-meaned
+  bias_quantile  bias += quantile_rate * (target - bias), target = the bias that would
+                 have given every expert exactly its share of this batch (Marin's "QB";
+                 see router.quantile_bias), zero-meaned; quantile_rate 1 is Marin's rule
 
 The bias is a plain array field of each MoE layer (shape [..., E]: a leading layer axis
 when layers are stacked), so it is checkpointed and restored with the weights; the
@@ -68,7 +69,7 @@ def update_bias(model, parts: dict[str, Array], moe: MoEConfig):
         if moe.balance == "bias_sign":
             new.append(sign_rule(layer.bias, signal, moe.bias_rate))
         else:
-            new.append(signal.astype(layer.bias.dtype))
+            new.append(layer.bias + moe.quantile_rate * (signal - layer.bias))
         start += rows
     return eqx.tree_at(lambda m: [layer.bias for layer in _biased(m)], model, new)
 
