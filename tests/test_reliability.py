@@ -351,7 +351,7 @@ def test_disk_full_during_a_metrics_write_then_resume(cfg, clean, small_disk, mo
 
 
 @pytest.mark.slow  # a supervisor and its worker: two fresh processes, ~30 s each
-@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_supervisor_stopped_or_killed_leaves_no_orphan_worker(kill, write_config, tmp_path):
     """SIGKILL: the kernel sends the worker SIGTERM (parent-death signal); SIGTERM: the
     supervisor forwards it. Either way the worker saves a checkpoint and stops."""
