@@ -154,7 +154,7 @@ def test_every_checkpoint_damaged_is_a_clear_error(cfg, clean, tmp_path):
 
 
 def test_non_finite_parameters_are_never_checkpointed(tmp_path):
-    saver = Checkpointer(tmp_path, keep=2, writer=True)
+    saver = Checkpointer(tmp_path, keep=2)
     with pytest.raises(DivergenceError, match="1 of 2 .* non-finite .* step 3; not saving"):
         saver.save(3, {"w": jnp.array([1.0, jnp.inf])}, [jnp.zeros(2)], {"step": 3})
     assert saver.latest_step() is None
@@ -163,7 +163,7 @@ def test_non_finite_parameters_are_never_checkpointed(tmp_path):
 def test_interrupted_save_remains_are_removed_on_start(tmp_path, capsys):
     stale = tmp_path / CHECKPOINT_DIR / "8.orbax-checkpoint-tmp-1234"
     stale.mkdir(parents=True)
-    Checkpointer(tmp_path, keep=2, writer=True)
+    Checkpointer(tmp_path, keep=2)
     assert not stale.exists() and "interrupted checkpoint save" in capsys.readouterr().out
 
 
@@ -262,7 +262,7 @@ def test_experiment_refuses_a_run_config_that_differs_from_its_snapshot(
     run = tmp_path / "run"
     with pytest.raises(UserError, match=f"differs from experiment {exp}'s snapshot "
                                         r"\(optim.lr: experiment 0.003, run 0.001\)"):
-        train(replace(cfg, optim={"lr": 1e-3}), run, experiment=exp)
+        train(replace(cfg, optim={"lr": 1e-3}), run, experiment=exp, match_experiment=True)
     assert not (run / CONFIG_FILE).exists() and not (run / LAB_RUN_FILE).exists()
 
 
