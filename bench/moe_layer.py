@@ -9,6 +9,8 @@ gradients of every layer weight and of the input, under jit. Modes:
   dropless  sorted rows, blocked matmuls (the CPU kernel), and dropless ragged_dot,
   dense     the baseline: every expert on every token, outputs masked by the routing
             weights (0 for unchosen experts) and summed: E/top_k times the FLOPs.
+  swiglu_equal_active_flops  the limit: one dense SwiGLU of hidden width top_k * d_ff on
+            every token, the same active FLOPs as the MoE without routing or dispatch.
 Reps of all modes alternate after warmup, so load from other processes hits them
 alike; medians and their ratio to dense are printed and written to
 bench/results/moe_layer.json.
@@ -18,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +28,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
 
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model.dispatch import Experts, get_dispatch
@@ -48,12 +49,25 @@ def dense_dispatch(x, routing: Routing, experts: Experts, moe: MoEConfig):
     return jnp.einsum("te,etd->td", mask.astype(x.dtype), every).reshape(x.shape), jnp.zeros(())
 
 
+def swiglu_dispatch(x, routing: Routing, experts: Experts, moe: MoEConfig):
+    """A dense SwiGLU with the active FLOPs of top_k experts: the first top_k experts'
+    weights side by side (hidden width top_k * d_ff), on every token, no routing."""
+    k, (b, s, d) = moe.top_k, x.shape
+    gate = jnp.concatenate(list(experts.w_gate[:k]), axis=-1)  # [D, k*F]
+    up = jnp.concatenate(list(experts.w_up[:k]), axis=-1)
+    down = jnp.concatenate(list(experts.w_down[:k]), axis=0)  # [k*F, D]
+    tokens = x.reshape(b * s, d)
+    y = (jax.nn.silu(tokens @ gate) * (tokens @ up)) @ down
+    return y.reshape(x.shape), jnp.zeros(())
+
+
 MODES = {  # name -> (MoEConfig changes, dispatch override)
     "capacity": ({"dispatch": "capacity", "capacity_factor": 1.25}, None),
     "pooled": ({"dispatch": "pooled", "capacity_factor": 1.25}, None),
     "dropless": ({"dispatch": "dropless", "dropless_impl": "blocked"}, None),
     "dropless_ragged_dot": ({"dispatch": "dropless", "dropless_impl": "ragged"}, None),
     "dense": ({"dispatch": "dropless"}, dense_dispatch),
+    "swiglu_equal_active_flops": ({"dispatch": "dropless"}, swiglu_dispatch),
 }
 
 
@@ -92,6 +106,7 @@ def timed(call) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    load_before = load_per_core()
     kx, kg = jax.random.split(jax.random.key(1))
     shape = (args.batch, args.seq, args.d_model)
     x, g = jax.random.normal(kx, shape), jax.random.normal(kg, shape)
@@ -123,9 +138,12 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": {k: [round(t, 5) for t in v] for k, v in times.items()},
         "median_ms": {k: round(1e3 * v, 2) for k, v in median.items()},
         "ratio_dense_over_mode": {k: round(median["dense"] / v, 3) for k, v in median.items()},
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-                    "python": platform.python_version(), "platform": platform.platform()},
+        # speed relative to a dense SwiGLU doing the same active FLOPs: 1.0 = no MoE overhead
+        "ratio_swiglu_over_mode": {k: round(median["swiglu_equal_active_flops"] / v, 3)
+                                   for k, v in median.items()},
+        "machine": describe(load_before, load_per_core()),
     }
+    refuse_if_busy(result["machine"], args.force)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'mode':<22}{'median ms':>10}{'dense/mode':>12}{'drop frac':>11}")
@@ -147,6 +165,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--force", action="store_true",
+                        help="write results even if the machine is busy")
     run(parser.parse_args())
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -29,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
 
 from moelab.config import Config, ModelConfig, MoEConfig
 from moelab.export.hf import export_hf
@@ -93,6 +92,7 @@ def timed(call) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    load_before = load_per_core()
     cfg, model = build(args)
     with tempfile.TemporaryDirectory() as tmp:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -137,9 +137,9 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": {k: [round(t, 5) for t in v] for k, v in times.items()},
         "median_ms": {k: round(1e3 * v, 2) for k, v in median.items()},
         "ratio_transformers_over_moelab": round(median["transformers"] / median["moelab"], 3),
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
-                    "python": platform.python_version(), "platform": platform.platform()},
+        "machine": describe(load_before, load_per_core()),
     }
+    refuse_if_busy(result["machine"], args.force)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"moelab {median['moelab'] * 1e3:.1f} ms, transformers "
@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--force", action="store_true",
+                        help="write results even if the machine is busy")
     run(parser.parse_args())
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures: a small real two-source dataset and a tiny training config."""
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -52,3 +53,12 @@ def write_config(tmp_path, small_corpus):
         return path
 
     return write
+
+
+def fake_devices_env(n: int, **extra: str) -> dict[str, str]:
+    """Env for a subprocess with n fake CPU devices (XLA_FLAGS must be set before jax is
+    imported); compiles fast and are cached on disk across test processes."""
+    flags = f"--xla_force_host_platform_device_count={n} --xla_backend_optimization_level=0"
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", **extra}

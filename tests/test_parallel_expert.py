@@ -8,24 +8,16 @@ tests below read its per-case report.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from conftest import fake_devices_env
 
 TOL = 1e-5
 DEVICES = 8
 LAYER_CASES = [(e, d) for e in (2, 4, 8) for d in ("capacity", "pooled", "dropless")]
 RAGGED_CASES = [2, 4, 8]  # dropless through ragged_all_to_all (emulated: CPU lacks it)
-
-
-def fake_devices_env(n: int, **extra: str) -> dict[str, str]:
-    """Env for a subprocess with n fake CPU devices; compiles fast and are cached on disk."""
-    flags = f"--xla_force_host_platform_device_count={n} --xla_backend_optimization_level=0"
-    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", **extra}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from test_parallel_expert import fake_devices_env
+from conftest import fake_devices_env
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "ep4.yaml"

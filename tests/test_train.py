@@ -39,7 +39,9 @@ def test_sigkill_mid_run_then_rerun_resumes_with_identical_losses(tmp_path, writ
     moelab_train(config, clean)
     killed = moelab_train(config, crashed, env={FAULT_ENV: "7"}, check=False)
     assert killed.returncode == -9  # really killed, between checkpoints 4 and 8
-    assert max(losses(crashed)) == 7
+    # Metrics are fetched one step late (the host runs a step ahead), so a kill before
+    # step 8 is dispatched has logged steps 1..6: step 7's are still on the device.
+    assert max(losses(crashed)) == 6
     resumed = moelab_train(config, crashed)
     assert "resumed from checkpoint at step 4" in resumed.stdout
     assert losses(crashed) == losses(clean)  # bitwise equal floats, steps 1..12

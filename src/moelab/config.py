@@ -39,6 +39,13 @@ class ModelConfig:
     qk_norm: bool = True  # RMSNorm on queries and keys per head: the loss-spike fix
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Repeated layers are stacked on a leading axis either way; scan_layers runs them with
+    # jax.lax.scan (compile time independent of depth), false unrolls a Python loop.
+    scan_layers: bool = True
+    # Rematerialization of each layer in the backward pass: "none" keeps every activation,
+    # "full" keeps only the layer's input, "save_moe" also keeps the routing and the MoE
+    # dispatch/combine results so routing (and expert-parallel exchanges) are not redone.
+    remat: Literal["none", "full", "save_moe"] = "none"
 
     @property
     def resolved_head_dim(self) -> int:
@@ -120,10 +127,12 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh: batch is split over data x expert, experts over expert."""
+    """Device mesh: the batch is split over data x fsdp x expert devices, routed experts over
+    `expert`, and every parameter and its optimizer state over `fsdp` (ZeRO-3 style)."""
 
-    data: int = 1
-    expert: int = 1
+    data: int = 1  # pure data parallelism: parameters replicated
+    fsdp: int = 1  # data parallelism with parameters and optimizer state sharded
+    expert: int = 1  # expert parallelism: routed experts split, tokens exchanged
 
 
 @dataclass(frozen=True)
@@ -295,7 +304,8 @@ BOUNDS = {
     "train.eval_every": (">", 0), "train.eval_batches": (">", 0),
     "train.checkpoint_every": (">", 0), "train.keep_checkpoints": (">", 0),
     "train.spike_window": (">", 0), "train.spike_threshold": (">", 0),
-    "train.peak_flops": (">=", 0), "mesh.data": (">", 0), "mesh.expert": (">", 0),
+    "train.peak_flops": (">=", 0), "mesh.data": (">", 0), "mesh.fsdp": (">", 0),
+    "mesh.expert": (">", 0),
     "distributed.num_processes": (">=", 0),
 }
 
@@ -358,11 +368,11 @@ def _validate_mesh(config: Config) -> None:
     mesh, moe, d = config.mesh, config.moe, config.data
     _require(moe.n_experts % mesh.expert == 0, "mesh.expert",
              f"{mesh.expert} must divide moe.n_experts={moe.n_experts}")
-    shards = mesh.data * mesh.expert
+    shards = mesh.data * mesh.fsdp * mesh.expert
     micro = d.batch_size // config.optim.grad_accum
     _require(micro % shards == 0, "data.batch_size",
              f"the micro-batch of {micro} sequences must split evenly over "
-             f"mesh.data x mesh.expert = {shards} devices")
+             f"mesh.data x mesh.fsdp x mesh.expert = {shards} devices")
     if moe.dispatch == "pooled" and moe.pool_size and shards > 1:
         local = micro // shards
         _require(local % moe.pool_size == 0, "moe.pool_size",

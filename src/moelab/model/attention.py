@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from moelab.config import ModelConfig
-from moelab.model.layers import RMSNorm, apply_rope, normal
+from moelab.model.layers import RMSNorm, apply_rope, linear, normal
 
 
 class KVCache(eqx.Module):
@@ -54,9 +54,9 @@ class Attention(eqx.Module):
     ) -> tuple[Float[Array, "B S D"], KVCache | None]:
         """Attend causally; with a cache, x holds new positions starting at cache_index."""
         b, s, _ = x.shape
-        q = (x @ self.wq).reshape(b, s, self.n_heads, self.head_dim)
-        k = (x @ self.wk).reshape(b, s, self.n_kv_heads, self.head_dim)
-        v = (x @ self.wv).reshape(b, s, self.n_kv_heads, self.head_dim)
+        q = linear(x, self.wq).reshape(b, s, self.n_heads, self.head_dim)
+        k = linear(x, self.wk).reshape(b, s, self.n_kv_heads, self.head_dim)
+        v = linear(x, self.wv).reshape(b, s, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -68,7 +68,7 @@ class Attention(eqx.Module):
             cache = KVCache(k, v)
         mask = q_pos[:, None] >= jnp.arange(k.shape[1])[None, :]  # [S, T] causal
         out = self._attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
-        return out.reshape(b, s, -1) @ self.wo, cache
+        return linear(out.reshape(b, s, -1), self.wo), cache
 
     def _attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
         """softmax(q k^T / sqrt(d)) v, with query heads grouped over shared kv heads."""

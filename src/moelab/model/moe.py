@@ -11,12 +11,17 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model.dispatch import Dispatch, Experts, get_dispatch
 from moelab.model.layers import SwiGLU, normal
 from moelab.model.router import route
+
+# Names of the tensors that `model.remat: save_moe` keeps for the backward pass: the routing
+# decision and the MoE output, so neither routing nor the dispatch is recomputed.
+SAVE_MOE_NAMES = ("moe_routing", "moe_out")
 
 
 class MoEStats(eqx.Module):
@@ -47,7 +52,9 @@ class MoE(eqx.Module):
     def __call__(self, x: Float[Array, "B S D"]) -> tuple[Float[Array, "B S D"], MoEStats]:
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router.astype(jnp.float32))
         routing, router_stats = route(logits, self.moe)
+        routing = checkpoint_name(routing, "moe_routing")
         y, dropped = self.dispatch(x, routing, self.experts, self.moe)
+        y = checkpoint_name(y, "moe_out")
         if self.shared is not None:
             y = y + self.shared(x)
         stats = MoEStats(

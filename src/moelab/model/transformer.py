@@ -4,6 +4,12 @@
     y = h + FFN(RMSNorm(h))        FFN = dense SwiGLU for the first n_dense_layers, else MoE
     logits = RMSNorm(y_L) @ W_out  (W_out = embedding^T when tied)
 
+The repeated layers are stacked: every array of the dense prefix has a leading axis of
+n_dense_layers and every array of the MoE layers one of n_layers - n_dense_layers, and each
+stack runs under `jax.lax.scan` (compile time independent of depth) or, with
+`model.scan_layers: false`, an unrolled loop over the same arrays. `model.remat` wraps
+each layer in `jax.checkpoint` with a named policy.
+
 The model knows nothing about devices or meshes; `moelab.parallel` shards it.
 """
 
@@ -16,8 +22,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model.attention import Attention, KVCache
-from moelab.model.layers import RMSNorm, SwiGLU, normal, rope_angles
-from moelab.model.moe import MoE, MoEStats
+from moelab.model.layers import RMSNorm, SwiGLU, linear, normal, rope_angles
+from moelab.model.moe import SAVE_MOE_NAMES, MoE, MoEStats
 
 
 class Block(eqx.Module):
@@ -46,45 +52,109 @@ class Block(eqx.Module):
 
 class Transformer(eqx.Module):
     embed: Float[Array, "V D"]
-    blocks: list[Block]
+    dense_layers: Block | None  # the dense prefix, stacked: arrays [n_dense_layers, ...]
+    moe_layers: Block | None  # the MoE layers, stacked: arrays [n_layers - n_dense, ...]
     final_norm: RMSNorm
     lm_head: Float[Array, "D V"] | None  # None when tied to the embedding
     cfg: ModelConfig = eqx.field(static=True)
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, key: PRNGKeyArray):
-        ke, kh, *kb = jax.random.split(key, cfg.n_layers + 2)
-        self.embed = normal(ke, (cfg.vocab_size, cfg.d_model), cfg.init_std)
-        self.blocks = [Block(cfg, moe, i < cfg.n_dense_layers, kb[i]) for i in range(cfg.n_layers)]
+        keys = jax.random.split(key, cfg.n_layers + 2)
+        n_dense = min(cfg.n_dense_layers, cfg.n_layers)
+        self.embed = normal(keys[0], (cfg.vocab_size, cfg.d_model), cfg.init_std)
+        self.dense_layers = stack_blocks(cfg, moe, True, keys[2:2 + n_dense])
+        self.moe_layers = stack_blocks(cfg, moe, False, keys[2 + n_dense:])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else normal(
-            kh, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+            keys[1], (cfg.d_model, cfg.vocab_size), cfg.init_std)
         self.cfg = cfg
 
     def __call__(
         self,
         tokens: Int[Array, "B S"],
-        caches: list[KVCache] | None = None,
+        caches: Caches | None = None,
         cache_index: Array | int = 0,
-    ) -> tuple[Float[Array, "B S V"], MoEStats | None, list[KVCache] | None]:
-        """Logits for every position, stacked per-MoE-layer stats, updated caches."""
+    ) -> tuple[Float[Array, "B S V"], MoEStats | None, Caches | None]:
+        """Logits for every position, per-MoE-layer stats stacked [L_moe], updated caches."""
         b, s = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
         cos, sin = rope_angles(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta)
         x = self.embed[tokens]
-        layer_stats, new_caches = [], []
-        for i, block in enumerate(self.blocks):
-            cache = caches[i] if caches is not None else None
-            x, stats, cache = block(x, cos.astype(x.dtype), sin.astype(x.dtype), cache, cache_index)
-            new_caches.append(cache)
-            if stats is not None:
-                layer_stats.append(stats)
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        dense_cache, moe_cache = caches if caches is not None else (None, None)
+        x, _, dense_cache = self._run(self.dense_layers, x, cos, sin, dense_cache, cache_index)
+        x, stats, moe_cache = self._run(self.moe_layers, x, cos, sin, moe_cache, cache_index)
         x = self.final_norm(x)
         head = self.embed.T if self.lm_head is None else self.lm_head
-        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(x.dtype)).astype(jnp.float32)
-        stacked = jax.tree.map(lambda *a: jnp.stack(a), *layer_stats) if layer_stats else None
-        return logits, stacked, new_caches if caches is not None else None
+        logits = linear(x, head).astype(jnp.float32)
+        return logits, stats, (dense_cache, moe_cache) if caches is not None else None
 
-    def init_caches(self, batch: int, max_len: int, dtype=jnp.float32) -> list[KVCache]:
+    def _run(self, stack: Block | None, x, cos, sin, cache: KVCache | None, cache_index):
+        """Run one stack of layers: scanned, or unrolled over the same stacked arrays."""
+        if stack is None:
+            return x, None, cache
+
+        def layer(x, block_and_cache):
+            block, cache = block_and_cache
+            x, stats, cache = block(x, cos, sin, cache, cache_index)
+            return x, (stats, cache)
+
+        layer = remat(layer, self.cfg.remat)
+        if self.cfg.scan_layers:
+            x, (stats, cache) = jax.lax.scan(layer, x, (stack, cache))
+            return x, stats, cache
+        outs = []
+        for i in range(stack_depth(stack)):
+            x, out = layer(x, layer_at((stack, cache), i))
+            outs.append(out)
+        stats, cache = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return x, stats, cache
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The layers one by one, dense prefix first (for export and inspection)."""
+        return [layer_at(stack, i)
+                for stack in (self.dense_layers, self.moe_layers) if stack is not None
+                for i in range(stack_depth(stack))]
+
+    def init_caches(self, batch: int, max_len: int, dtype=jnp.float32) -> Caches:
         c = self.cfg
         shape = (batch, max_len, c.n_kv_heads, c.resolved_head_dim)
-        return [KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks]
+
+        def cache(stack: Block | None) -> KVCache | None:
+            if stack is None:
+                return None
+            n = stack_depth(stack)
+            return KVCache(jnp.zeros((n, *shape), dtype), jnp.zeros((n, *shape), dtype))
+
+        return cache(self.dense_layers), cache(self.moe_layers)
+
+
+Caches = tuple[KVCache | None, KVCache | None]  # (dense prefix, MoE layers), stacked
+
+
+def stack_blocks(cfg: ModelConfig, moe: MoEConfig, dense: bool, keys: Array) -> Block | None:
+    """len(keys) blocks with every array stacked on a leading layer axis (None if none).
+    Block i gets keys[i], so the weights equal those of building the blocks one by one."""
+    if len(keys) == 0:
+        return None
+    return eqx.filter_vmap(lambda k: Block(cfg, moe, dense, k))(keys)
+
+
+def stack_depth(stack: Block) -> int:
+    return stack.attn.wq.shape[0]
+
+
+def layer_at(stacked, i: int):
+    """Layer i of a stacked pytree (arrays indexed on their leading axis)."""
+    return jax.tree.map(lambda a: a[i], stacked)
+
+
+def remat(layer, policy: str):
+    """The layer function under the `model.remat` policy."""
+    if policy == "none":
+        return layer
+    if policy == "full":
+        return jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+    return jax.checkpoint(
+        layer, policy=jax.checkpoint_policies.save_only_these_names(*SAVE_MOE_NAMES))

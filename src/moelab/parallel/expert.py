@@ -51,7 +51,7 @@ from moelab.model.dispatch.capacity import grouped_dispatch, in_groups, local_ex
 from moelab.model.dispatch.dropless import Sorted, grouped_experts, sorted_dispatch
 from moelab.model.moe import MoE
 from moelab.model.router import Routing
-from moelab.parallel.mesh import BATCH, EXPERT
+from moelab.parallel.mesh import AXES, BATCH, EXPERT
 
 AXIS = "expert"  # the mesh axis experts (and the exchange) are split over
 Exchange = Literal["auto", "padded", "ragged"]
@@ -134,7 +134,7 @@ def _local_dispatch(
         yg, dropped = grouped_dispatch(xg, rg, partial(_exchange_slots, experts=experts, ep=ep),
                                        moe)
         y = yg.reshape(x.shape)
-    return y, jax.lax.psum(dropped, ("data", AXIS))
+    return y, jax.lax.psum(dropped, AXES)  # summed over every device
 
 
 # ------------------------------------------------------------------ capacity / pooled

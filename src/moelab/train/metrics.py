@@ -57,7 +57,7 @@ def peak_flops(cfg: Config) -> float:
     if cfg.train.peak_flops > 0:
         return cfg.train.peak_flops
     per_device = NOMINAL_PEAK.get(jax.default_backend(), NOMINAL_PEAK["cpu"])
-    return per_device * cfg.mesh.data * cfg.mesh.expert
+    return per_device * cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.expert
 
 
 def mfu(cfg: Config, tokens_per_s: float) -> float:

@@ -99,8 +99,14 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
+# Where the run is placed, not what it computes: resuming onto another mesh shape (after
+# losing a host, say) is allowed without --allow-config-change, and still recorded.
+PLACEMENT = ("mesh.", "distributed.")
+
+
 def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, tuple]:
-    """Compare `cfg` with the run's config; refuse a change unless `allow_change`.
+    """Compare `cfg` with the run's config; refuse a change unless `allow_change` (changes
+    of placement only, PLACEMENT, are always accepted).
 
     Returns the accepted changes ({} for a fresh run or an identical config); the caller
     saves them with `save_config` once the start has passed every other check and it
@@ -118,9 +124,10 @@ def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, 
         raise UserError(f"{path} is not readable YAML ({err}); restore it or use a new "
                         "--run-dir") from err
     changes = config_changes(saved if isinstance(saved, dict) else {}, config_to_dict(cfg))
-    if changes and not allow_change:
+    refused = {k: v for k, v in changes.items() if not k.startswith(PLACEMENT)}
+    if refused and not allow_change:
         listed = "; ".join(f"{k}: run {a!r}, now {b!r}" for k, a, b in
-                           ((k, *v) for k, v in changes.items()))
+                           ((k, *v) for k, v in refused.items()))
         raise ConfigError(f"the config differs from the run's {path.name} in {run_dir} "
                           f"(incompatible config: {listed}); rerun with the run's config, "
                           "use a new --run-dir, or pass --allow-config-change to record the "

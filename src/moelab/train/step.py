@@ -1,4 +1,11 @@
-"""The jitted train step (with optional gradient accumulation) and the eval step."""
+"""The jitted train step (with optional gradient accumulation) and the eval step.
+
+The step is a plain `jax.jit` over the model's arrays with the params and optimizer state
+donated, so XLA updates them in place and the call returns as soon as the work is queued:
+the host can prepare the next batch while the device computes. (equinox's `filter_jit`
+blocks until every call finishes, which would serialize host and device.) The module's
+static structure is a hashable static argument, split off and put back around the call.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ def make_loss(cfg: Config):
     return loss
 
 
-def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
+def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, donate: bool = True):
     grad_fn = eqx.filter_value_and_grad(make_loss(cfg), has_aux=True)
     accum = cfg.optim.grad_accum
 
@@ -44,24 +51,62 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
         (parts, grads), _ = jax.lax.scan(body, (zero[0][1], zero[1]), micro)
         return jax.tree.map(lambda a: a / accum, (parts, grads))
 
-    @eqx.filter_jit
-    def train_step(model, opt_state, batch):
+    def step(params, static, opt_state, batch):
+        model = eqx.combine(params, static)
         if accum == 1:
             (_, parts), grads = grad_fn(model, batch)
         else:
             parts, grads = accumulated(model, batch)
         updates, opt_state = optimizer.update(grads, opt_state, trainable(model))
         parts["grad_norm"] = optax.tree.norm(grads)
-        return eqx.apply_updates(model, updates), opt_state, parts
+        return eqx.filter(eqx.apply_updates(model, updates), eqx.is_array), opt_state, parts
 
-    return train_step
+    return TrainStep(step, donate)
+
+
+class TrainStep:
+    """step(model, opt_state, batch) -> (new model, new opt_state, loss parts).
+
+    With donation the inputs are consumed. The new params and optimizer state are pinned to
+    the shardings of the first call's inputs, so the output of step N is laid out exactly as
+    the input of step N+1 wants and the step compiles once (under FSDP XLA would otherwise
+    pick its own output layout and compile a second variant).
+    """
+
+    def __init__(self, step, donate: bool):
+        self._step, self._donate, self._jitted = step, donate, None
+
+    def _jit(self, params, opt_state):
+        if self._jitted is None:
+            layout = jax.tree.map(lambda a: a.sharding, (params, opt_state))
+            self._jitted = jax.jit(self._step, static_argnums=1,
+                                   donate_argnums=(0, 2) if self._donate else (),
+                                   out_shardings=(*layout, None))
+        return self._jitted
+
+    def __call__(self, model, opt_state, batch):
+        params, static = eqx.partition(model, eqx.is_array)
+        params, opt_state, parts = self._jit(params, opt_state)(params, static, opt_state, batch)
+        return eqx.combine(params, static), opt_state, parts
+
+    def lower(self, model, opt_state, batch):
+        """The lowered step, for timing compilation (bench/train_step.py)."""
+        params, static = eqx.partition(model, eqx.is_array)
+        return self._jit(params, opt_state).lower(params, static, opt_state, batch)
+
+    def cache_size(self) -> int:
+        """Compiled variants so far: 1 in a healthy run."""
+        return 0 if self._jitted is None else self._jitted._cache_size()
 
 
 def make_eval_step(cfg: Config):
+    """eval_step(model, batch) -> mean cross-entropy, asynchronous like the train step."""
     loss = make_loss(cfg)
+    jitted = jax.jit(lambda params, static, batch: loss(eqx.combine(params, static), batch)[1][
+        "ce"], static_argnums=1)
 
-    @eqx.filter_jit
     def eval_step(model, batch):
-        return loss(model, batch)[1]["ce"]
+        params, static = eqx.partition(model, eqx.is_array)
+        return jitted(params, static, batch)
 
     return eval_step

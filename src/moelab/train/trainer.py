@@ -23,7 +23,7 @@ from moelab.data.loader import Loader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.model import Transformer
 from moelab.parallel.distributed import initialize_distributed
-from moelab.parallel.mesh import batch_sharding, make_mesh, place
+from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.interrupt import StopRequest
 from moelab.train.memory import check_fits
@@ -53,7 +53,9 @@ def prepared_data(cfg: Config) -> Path:
 
 
 def build_model(cfg: Config, mesh):
-    model = place(Transformer(cfg.model, cfg.moe, jax.random.key(cfg.train.seed)), mesh)
+    """The initial model, each array born on the mesh with its sharding."""
+    model = init_sharded(lambda key: Transformer(cfg.model, cfg.moe, key), mesh,
+                         jax.random.key(cfg.train.seed))
     if cfg.mesh.expert > 1:
         from moelab.parallel.expert import expert_parallel
 
@@ -79,9 +81,9 @@ class Trainer:
         self.mesh = make_mesh(cfg.mesh)
         self.model = build_model(cfg, self.mesh)
         self.optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
-        # Placed like the params, so the first step's output layout equals its input's
+        # Sharded like the params, so the first step's output layout equals its input's
         # and the step compiles once.
-        self.opt_state = place(self.optimizer.init(trainable(self.model)), self.mesh)
+        self.opt_state = init_sharded(self.optimizer.init, self.mesh, trainable(self.model))
         self.train_step = make_train_step(cfg, self.optimizer)
         self.eval_step = make_eval_step(cfg)
         self.lr = lr_schedule(cfg.optim, cfg.train.steps)
@@ -134,8 +136,8 @@ class Trainer:
                        f"checkpoint {self.step} saved")
         raise Interrupted(self.step)
 
-    def _diverged(self, message: str) -> None:
-        self.log.event(self.step, "nan", message)
+    def _diverged(self, message: str, step: int | None = None) -> None:
+        self.log.event(self.step if step is None else step, "nan", message)
         self.log.finish("failed", message)
         raise DivergenceError(message)
 
@@ -151,31 +153,54 @@ class Trainer:
         return jax.device_put(batch, batch_sharding(self.mesh))
 
     def run(self) -> dict:
-        t, tokens_per_step = self.cfg.train, self.cfg.data.batch_size * self.cfg.data.seq_len
+        """Train to `train.steps`. The host runs one step ahead of its metrics: step N+1 is
+        queued before step N's metrics are fetched (as MaxText does), so the device never
+        waits for logging. Eval, checkpoint, progress and stop-request steps sync first:
+        nothing is saved before its step's loss and gradient norm are checked finite."""
+        t = self.cfg.train
         started, first, record = time.time(), self.step, self.log.last_record(self.step)
         self._maybe_stop()
+        self._last_done = time.time()
+        pending = None  # (step, device-side metrics) queued but not fetched yet
         while self.step < t.steps:
             self._maybe_fault()
-            tick = time.time()
             batch = self._on_mesh(next(self.loader))
             self.model, self.opt_state, parts = self.train_step(self.model, self.opt_state, batch)
-            record = self._record(parts, self.lr(self.step), tokens_per_step / (time.time() - tick))
             self.step += 1
-            self._check_finite(record)
-            self._flag_spikes(record)
-            if self.step % t.eval_every == 0 or self.step == t.steps:
-                record.update(self.evaluate())
-            self.log.step(self.step, record)
-            if self.step % t.checkpoint_every == 0 or self.step == t.steps:
-                self.save()
-            if self.step % t.log_every == 0 or self.step == t.steps:
-                self._print_progress(record, started, first)
-            self._maybe_stop()
+            if pending is not None:
+                self._complete(*pending)
+            pending = (self.step, parts)
+            boundary = (self.step % t.eval_every == 0, self.step % t.checkpoint_every == 0,
+                        self.step % t.log_every == 0, self.step == t.steps)
+            if any(boundary) or self.stop.requested:
+                record = self._complete(*pending, evaluate=boundary[0] or boundary[3])
+                pending = None
+                if boundary[1] or boundary[3]:
+                    self.save()
+                if boundary[2] or boundary[3]:
+                    self._print_progress(record, started, first)
+                self._maybe_stop()
+                self._last_done = time.time()  # the next step's time excludes this work
+        if pending is not None:
+            record = self._complete(*pending)
         self.log.finish("succeeded")
         return {"step": self.step, **record}
 
-    def _record(self, parts: dict, lr: float, tokens_per_s: float) -> dict:
+    def _complete(self, step: int, parts: dict, evaluate: bool = False) -> dict:
+        """Fetch step `step`'s metrics (waiting for it to finish), check and log them."""
         parts = jax.device_get(parts)
+        now = time.time()
+        tokens_per_s = self.cfg.data.batch_size * self.cfg.data.seq_len / (now - self._last_done)
+        self._last_done = now
+        record = self._record(parts, self.lr(step - 1), tokens_per_s)
+        self._check_finite(step, record)
+        self._flag_spikes(step, record)
+        if evaluate:
+            record.update(self.evaluate())
+        self.log.step(step, record)
+        return record
+
+    def _record(self, parts: dict, lr: float, tokens_per_s: float) -> dict:
         record = {k: float(parts[k]) for k in
                   ("loss", "ce", "aux_loss", "router_z", "logit_z", "grad_norm")}
         record.update(lr=float(lr), tokens_per_s=tokens_per_s, mfu=mfu(self.cfg, tokens_per_s))
@@ -185,20 +210,20 @@ class Trainer:
             record[f"expert_load_max_over_mean/layer_{i}"] = float(load.max() / load.mean())
         return record
 
-    def _check_finite(self, record: dict) -> None:
+    def _check_finite(self, step: int, record: dict) -> None:
         bad = [k for k in ("loss", "grad_norm") if not math.isfinite(record[k])]
         if bad:
             last = self.ckpt.latest_step()
             kept = ("no checkpoint was saved before it" if last is None
                     else f"checkpoint {last} stays the last good one")
-            self._diverged(f"non-finite {' and '.join(bad)} at step {self.step}; stopping "
-                           f"without saving, so {kept}")
+            self._diverged(f"non-finite {' and '.join(bad)} at step {step}; stopping "
+                           f"without saving, so {kept}", step)
 
-    def _flag_spikes(self, record: dict) -> None:
+    def _flag_spikes(self, step: int, record: dict) -> None:
         for name, detector in self.detectors.items():
             flag = detector.update(record[name])
             if flag:
-                self.log.event(self.step, flag, f"{name} = {record[name]:.4g} flagged as {flag}")
+                self.log.event(step, flag, f"{name} = {record[name]:.4g} flagged as {flag}")
                 record[f"{flag}/{name}"] = 1.0
 
     def _maybe_fault(self) -> None:

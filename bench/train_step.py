@@ -1,0 +1,155 @@
+"""What the training core costs on this machine, measured side by side in one run.
+
+    python3 bench/train_step.py [--steps 40] [--force]
+
+1. Compile time of the whole train step (forward, backward, AdamW) at 2, 8 and 16 layers
+   of the tiny preset's shape, with layers scanned vs unrolled.
+2. The tiny preset's training throughput: tokens/s over `--steps` donated, asynchronous
+   steps (timed after a real sync), and MFU against this machine's *measured* float32
+   matmul peak (a 2048^2 jnp.dot timed in this same run), not a nominal figure.
+3. Bytes of parameters + optimizer state held by one device on 8 fake CPU devices, fsdp 1
+   vs fsdp 8 (a subprocess, since the device count is fixed when jax starts).
+
+The load average is recorded before and after; on a busy machine (above 0.5 per core) the
+run refuses to write results unless given --force, since timings would be distorted.
+Results: bench/results/train_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
+
+from moelab.config import Config, load_config, replace
+from moelab.model import Transformer
+from moelab.train.cli import config_path
+from moelab.train.metrics import flops_per_token
+from moelab.train.optimizer import make_optimizer, trainable
+from moelab.train.step import make_train_step
+
+RESULTS = Path(__file__).parent / "results" / "train_step.json"
+
+
+def matmul_peak(n: int = 2048, reps: int = 10) -> float:
+    """FLOP/s of a jitted n x n float32 matmul: the ceiling MFU is measured against."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, a).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dot(a, a).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def setup(cfg: Config):
+    model = Transformer(cfg.model, cfg.moe, jax.random.key(0))
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
+    opt_state = optimizer.init(trainable(model))
+    batch = jax.random.randint(jax.random.key(1), (cfg.data.batch_size, cfg.data.seq_len + 1),
+                               0, cfg.model.vocab_size)
+    return model, opt_state, batch, make_train_step(cfg, optimizer)
+
+
+def compile_seconds(cfg: Config) -> float:
+    model, opt_state, batch, step = setup(cfg)
+    t = time.perf_counter()
+    step.lower(model, opt_state, batch).compile()
+    return time.perf_counter() - t
+
+
+def throughput(cfg: Config, steps: int) -> dict:
+    model, opt_state, batch, step = setup(cfg)
+    model, opt_state, parts = step(model, opt_state, batch)  # compile
+    jax.block_until_ready(parts)
+    t = time.perf_counter()
+    for _ in range(steps):
+        model, opt_state, parts = step(model, opt_state, batch)
+    jax.block_until_ready((model, opt_state, parts))
+    seconds = (time.perf_counter() - t) / steps
+    tokens_per_s = cfg.data.batch_size * cfg.data.seq_len / seconds
+    return {"step_ms": 1e3 * seconds, "tokens_per_s": tokens_per_s,
+            "flops_per_s": tokens_per_s * flops_per_token(cfg)}
+
+
+def fsdp_bytes() -> dict:
+    """Run this file with --fsdp-bytes on 8 fake devices; parse its JSON line."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, __file__, "--fsdp-bytes"], env=env,
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_fsdp_bytes() -> None:
+    from moelab.parallel.mesh import init_sharded, make_mesh
+
+    cfg = load_config(config_path("tiny"))
+    device, out = jax.devices()[0], {}
+    for fsdp in (1, 8):
+        mesh = make_mesh(dataclasses.replace(cfg.mesh, fsdp=fsdp))
+        model = init_sharded(lambda k: Transformer(cfg.model, cfg.moe, k), mesh, jax.random.key(0))
+        opt_state = init_sharded(make_optimizer(cfg.optim, 10, None).init, mesh, trainable(model))
+        leaves = jax.tree.leaves(eqx.filter((model, opt_state), eqx.is_array))
+        out[f"fsdp{fsdp}"] = sum(s.data.nbytes for a in leaves for s in a.addressable_shards
+                                 if s.device == device)
+    print(json.dumps(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps (default 40)")
+    parser.add_argument("--force", action="store_true",
+                        help="write results even if the machine is busy")
+    parser.add_argument("--fsdp-bytes", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.fsdp_bytes:
+        return measure_fsdp_bytes()
+    load_before = load_per_core()
+    tiny = load_config(config_path("tiny"))
+    compile_s = {}
+    for layers in (2, 8, 16):
+        for scan in (True, False):
+            cfg = replace(tiny, model={"n_layers": layers, "scan_layers": scan})
+            name = f"{'scan' if scan else 'unrolled'}/{layers}"
+            compile_s[name] = compile_seconds(cfg)
+            print(f"compile {name:12s} {compile_s[name]:6.1f} s", flush=True)
+    peak = matmul_peak()
+    speed = throughput(tiny, args.steps)
+    speed["mfu_vs_measured_matmul_peak"] = speed["flops_per_s"] / peak
+    memory = fsdp_bytes()
+    load_after = load_per_core()
+    result = {
+        "compile_s": compile_s,
+        "compile_ratio_16_over_2": {k: compile_s[f"{k}/16"] / compile_s[f"{k}/2"]
+                                    for k in ("scan", "unrolled")},
+        "matmul_peak_flops_per_s": peak,
+        "tiny_preset": speed,
+        "param_opt_bytes_per_device": memory,
+        "fsdp8_over_fsdp1": memory["fsdp8"] / memory["fsdp1"],
+        "machine": describe(load_before, load_after),
+    }
+    print(json.dumps(result, indent=2))
+    refuse_if_busy(result["machine"], args.force)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
