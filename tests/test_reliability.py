@@ -389,3 +389,17 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+def test_an_interrupted_prepare_leaves_no_temporaries_after_the_next_one(tmp_path):
+    from conftest import SMALL_SOURCES
+
+    from moelab.data.prepare import prepare
+
+    out = tmp_path / "data"
+    out.mkdir()
+    stale = out / ".meta.json.k3j9x.tmp"  # what a SIGKILL inside atomic_write leaves
+    stale.write_bytes(b"half a file")
+    prepare(out, SMALL_SOURCES, vocab_size=300, max_docs_per_source=20, workers=1)
+    assert not stale.exists() and not list(out.rglob("*.tmp"))
+    assert (out / "meta.json").exists()
