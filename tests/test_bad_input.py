@@ -66,10 +66,11 @@ def test_bad_train_arguments_are_one_line_and_exit_2(case, tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_run_dir_naming_a_file_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("argv", [["train", "--run-dir"], ["data", "prepare", "--out"]])
+def test_an_output_dir_naming_a_file_is_refused(argv, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("x")
-    code, err = run_cli(capsys, "train", "--run-dir", str(afile))
+    code, err = run_cli(capsys, *argv, str(afile))
     assert code == 2 and "is a file" in err and afile.read_text() == "x"
 
 

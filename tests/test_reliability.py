@@ -154,7 +154,7 @@ def test_every_checkpoint_damaged_is_a_clear_error(cfg, clean, tmp_path):
 
 
 def test_non_finite_parameters_are_never_checkpointed(tmp_path):
-    saver = Checkpointer(tmp_path, keep=2, writer=True)
+    saver = Checkpointer(tmp_path, keep=2)
     with pytest.raises(DivergenceError, match="1 of 2 .* non-finite .* step 3; not saving"):
         saver.save(3, {"w": jnp.array([1.0, jnp.inf])}, [jnp.zeros(2)], {"step": 3})
     assert saver.latest_step() is None
@@ -163,7 +163,7 @@ def test_non_finite_parameters_are_never_checkpointed(tmp_path):
 def test_interrupted_save_remains_are_removed_on_start(tmp_path, capsys):
     stale = tmp_path / CHECKPOINT_DIR / "8.orbax-checkpoint-tmp-1234"
     stale.mkdir(parents=True)
-    Checkpointer(tmp_path, keep=2, writer=True)
+    Checkpointer(tmp_path, keep=2)
     assert not stale.exists() and "interrupted checkpoint save" in capsys.readouterr().out
 
 
@@ -268,7 +268,7 @@ def test_experiment_refuses_a_run_config_that_differs_from_its_snapshot(
     run = tmp_path / "run"
     with pytest.raises(UserError, match=f"differs from experiment {exp}'s snapshot "
                                         r"\(optim.lr: experiment 0.003, run 0.001\)"):
-        train(replace(cfg, optim={"lr": 1e-3}), run, experiment=exp)
+        train(replace(cfg, optim={"lr": 1e-3}), run, experiment=exp, match_experiment=True)
     assert not (run / CONFIG_FILE).exists() and not (run / LAB_RUN_FILE).exists()
 
 
@@ -357,7 +357,7 @@ def test_disk_full_during_a_metrics_write_then_resume(cfg, clean, small_disk, mo
 
 
 @pytest.mark.slow  # a supervisor and its worker: two fresh processes, ~30 s each
-@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_supervisor_stopped_or_killed_leaves_no_orphan_worker(kill, write_config, tmp_path):
     """SIGKILL: the kernel sends the worker SIGTERM (parent-death signal); SIGTERM: the
     supervisor forwards it. Either way the worker saves a checkpoint and stops."""
@@ -389,3 +389,17 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+def test_an_interrupted_prepare_leaves_no_temporaries_after_the_next_one(tmp_path):
+    from conftest import SMALL_SOURCES
+
+    from moelab.data.prepare import prepare
+
+    out = tmp_path / "data"
+    out.mkdir()
+    stale = out / ".meta.json.k3j9x.tmp"  # what a SIGKILL inside atomic_write leaves
+    stale.write_bytes(b"half a file")
+    prepare(out, SMALL_SOURCES, vocab_size=300, max_docs_per_source=20, workers=1)
+    assert not stale.exists() and not list(out.rglob("*.tmp"))
+    assert (out / "meta.json").exists()

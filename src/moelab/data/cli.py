@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from moelab.errors import UserError
 
@@ -52,6 +53,8 @@ def parse_sources(specs: list[str]) -> dict[str, list[str]] | None:
 def run_prepare(args: argparse.Namespace) -> int:
     from moelab.data.prepare import prepare
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():  # before hours of ingest
+        raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
     prepare(args.out, parse_sources(args.source), vocab_size=args.vocab_size,
             near_dup_threshold=args.near_dup_threshold, val_fraction=args.val_fraction,
             min_chars=args.min_chars, max_docs_per_source=args.max_docs,

@@ -28,7 +28,14 @@ from moelab.data.ingest import (
 )
 from moelab.data.loader import META_FILE, SPLITS
 from moelab.data.provenance import MANIFEST_FILE, count_documents, manifest_text, reason_kind
-from moelab.data.shards import pack, shard_path, write_array, write_json, write_text
+from moelab.data.shards import (
+    pack,
+    remove_stale_temporaries,
+    shard_path,
+    write_array,
+    write_json,
+    write_text,
+)
 from moelab.data.tokenizer import EOS, MIN_VOCAB, TOKENIZER_FILE, train_tokenizer
 from moelab.errors import UserError
 
@@ -125,6 +132,7 @@ def write_dataset(
     """Write every file under a temporary name, then rename; meta.json goes last."""
     out.mkdir(parents=True, exist_ok=True)
     (out / META_FILE).unlink(missing_ok=True)  # incomplete until the new meta lands
+    remove_stale_temporaries(out)
     write_text(out / TOKENIZER_FILE, tokenizer.to_str())
     for (source, split), stream in streams.items():
         write_array(shard_path(out, source, split), stream)

@@ -61,6 +61,15 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Delete the temporary files (`.NAME.XXXX.tmp`) of `atomic_write`s that a SIGKILL cut
+    short: nothing reads them, and they would pile up with every interrupted prepare."""
+    stale = sorted(directory.rglob(".*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def write_array(path: Path, array: np.ndarray) -> None:
     atomic_write(path, lambda file: np.save(file, array))
 

@@ -136,12 +136,12 @@ def count_nonfinite(arrays: Any) -> tuple[int, int]:
 class Checkpointer:
     """Saves and restores a run's checkpoints, trusting only those that verify.
 
-    `writer=True` (the trainer, holding the run-dir lock) may change the directory:
+    A writer (the trainer, holding the run-dir lock) may change the directory:
     it removes the temporary directories of interrupted saves and moves damaged
     checkpoints aside. Readers (export, generate, ladder) only skip them.
     """
 
-    def __init__(self, run_dir: Path, keep: int, writer: bool = False):
+    def __init__(self, run_dir: Path, keep: int, writer: bool = True):
         self.run_dir = Path(run_dir).absolute()
         self.directory = self.run_dir / CHECKPOINT_DIR
         self.writer = writer
@@ -273,7 +273,7 @@ def load_latest(run_dir: str | Path):
 
     if not (Path(run_dir) / CHECKPOINT_DIR).is_dir():
         raise UserError(f"no checkpoint in {Path(run_dir) / CHECKPOINT_DIR}; train a run first")
-    ckpt = Checkpointer(Path(run_dir), keep=1_000_000)
+    ckpt = Checkpointer(Path(run_dir), keep=1_000_000, writer=False)
 
     def load(step: int):
         cfg = config_from_dict(ckpt.read_meta(step)["config"])

@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     from moelab.train.trainer import train
 
     try:
-        summary = train(cfg, run_dir, args.experiment, args.allow_config_change)
+        summary = train(cfg, run_dir, args.experiment, args.allow_config_change,
+                        match_experiment=True)
     except DivergenceError as err:
         print(f"moelab train: diverged: {err}", file=sys.stderr)
         return EXIT_DIVERGED

@@ -18,12 +18,14 @@ from moelab.train.rundir import EVENTS_FILE, LAB_RUN_FILE, METRICS_FILE, config_
 
 class RunLog:
     def __init__(self, run_dir: Path, experiment: str | None, config: dict,
-                 allow_config_change: bool = False):
+                 snapshot_change: bool | None = None):
+        """`snapshot_change`: None attaches whatever the config; False refuses a config that
+        differs from the experiment's snapshot; True accepts and records the difference."""
         self.metrics = JsonlLog(run_dir / METRICS_FILE)
         self.events = JsonlLog(run_dir / EVENTS_FILE)
         self.store, self.run_id = None, None
         if experiment:
-            self._attach(run_dir, experiment, config, allow_config_change)
+            self._attach(run_dir, experiment, config, snapshot_change)
         self._repair()
 
     def _repair(self) -> None:
@@ -38,7 +40,8 @@ class RunLog:
                 last = self.metrics.read()
                 self.event(last[-1]["step"] if last else 0, "torn_line", message)
 
-    def _attach(self, run_dir: Path, experiment: str, config: dict, allow_change: bool) -> None:
+    def _attach(self, run_dir: Path, experiment: str, config: dict,
+                snapshot_change: bool | None) -> None:
         from moelab.lab.store import Store, default_lab_path
 
         self.store = Store(default_lab_path())
@@ -46,7 +49,8 @@ class RunLog:
         if marker.exists():
             self.run_id = json.loads(marker.read_text())["run_id"]
             return
-        changes = self._differs_from_snapshot(experiment, config, allow_change)
+        changes = ({} if snapshot_change is None else
+                   self._differs_from_snapshot(experiment, config, snapshot_change))
         self.run_id = self.store.start_run(experiment, str(run_dir), config)
         marker.write_text(json.dumps({"run_id": self.run_id, "experiment": experiment}))
         if changes:

@@ -65,7 +65,8 @@ def build_model(cfg: Config, mesh):
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, experiment: str | None = None,
-                 allow_config_change: bool = False, stop: StopRequest | None = None):
+                 allow_config_change: bool = False, stop: StopRequest | None = None,
+                 match_experiment: bool = False):
         self.cfg, self.run_dir = cfg, run_dir
         self.stop = stop if stop is not None else StopRequest()
         # Before anything is written: a refused config leaves the run dir as it was.
@@ -89,8 +90,9 @@ class Trainer:
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
-        self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, writer=True)
-        self.log = RunLog(run_dir, experiment, config_to_dict(cfg), allow_config_change)
+        self.ckpt = Checkpointer(run_dir, t.keep_checkpoints)
+        self.log = RunLog(run_dir, experiment, config_to_dict(cfg),
+                          allow_config_change if match_experiment else None)
         self.step = self._resume()
         self._save_config()
 
@@ -241,14 +243,17 @@ class Trainer:
 
 
 def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
-          allow_config_change: bool = False) -> dict:
+          allow_config_change: bool = False, match_experiment: bool = False) -> dict:
     """Train (or resume) the run in `run_dir`; returns the last step's metrics.
 
     Holds the run dir's lock throughout (a second trainer is refused) and turns
-    SIGTERM/SIGINT into a checkpoint and `errors.Interrupted`.
+    SIGTERM/SIGINT into a checkpoint and `errors.Interrupted`. `match_experiment`: the
+    config must be the experiment's snapshot (`moelab train --experiment`; a ladder's
+    experiment holds many rungs' configs, so it does not ask for this).
     """
     try:
         with RunDirLock(Path(run_dir)), StopRequest() as stop:
-            return Trainer(cfg, Path(run_dir), experiment, allow_config_change, stop).run()
+            return Trainer(cfg, Path(run_dir), experiment, allow_config_change, stop,
+                           match_experiment).run()
     except FileNotFoundError as err:
         raise UserError(str(err)) from err
