@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import words_text, write_corpus
 
 from moelab.cli import main
 from moelab.data import prepare as prepare_module
@@ -19,22 +20,6 @@ from moelab.data.tokenizer import EOS, load_tokenizer
 from moelab.errors import UserError
 
 SMALL = {"vocab_size": 320, "workers": 1, "min_chars": 50}
-
-
-def words_text(rng: random.Random, n_words: int) -> str:
-    """Text of made-up words: distinct documents share almost no 5-word windows."""
-    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 7)))
-             for _ in range(n_words)]
-    return "\n".join(" ".join(words[i : i + 12]) for i in range(0, n_words, 12))
-
-
-def write_corpus(root: Path, name: str, n_docs: int, n_words: int, seed: int) -> str:
-    """n_docs files under root/name; returns their glob."""
-    rng = random.Random(seed)
-    (root / name).mkdir(parents=True)
-    for i in range(n_docs):
-        (root / name / f"doc{i:03d}.txt").write_text(words_text(rng, n_words))
-    return str(root / name / "*.txt")
 
 
 def records_by_name(data_dir: Path) -> dict[str, dict]:

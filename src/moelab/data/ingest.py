@@ -39,20 +39,10 @@ class Document:
     quality: dict[str, float] = field(default_factory=dict)  # quality.scores(), if scored
     text: str = ""
     signature: np.ndarray | None = None  # MinHash values, for near-duplicate search
-    split: str = ""  # "train" or "val", once kept documents are split
-    tokens: int = 0  # tokens in the shard, EOS included
 
     @property
     def kept(self) -> bool:
         return self.status == "kept"
-
-    def drop(self, reason: str) -> None:
-        """Mark dropped and let go of the text: only the manifest needs this document now."""
-        self.status, self.reason, self.text, self.signature = "dropped", reason, "", None
-
-    def manifest_record(self) -> dict:
-        fields = ("source", "path", "sha256", "status", "reason", "split", "tokens")
-        return {name: getattr(self, name) for name in fields}
 
 
 def source_globs(sources: dict[str, str | list[str]]) -> dict[str, list[str]]:

@@ -49,6 +49,16 @@ DEFAULT_SOURCES: dict[str, list[str]] = {
               "/usr/share/doc/*/changelog*", "/usr/share/doc/*/copyright",
               "/usr/share/man/man[1-8]/*", "!*.html"],
 }
+_SITE = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+# A bigger real corpus to measure scale: every installed Python package's sources, and
+# all system docs, man and info pages plus the packages' own docs (~0.7 GB of files here).
+INSTALLED_SOURCES: dict[str, list[str]] = {
+    "code": [f"{_STDLIB}/**/*.py", *(f"{site}/**/*.py" for site in _SITE)],
+    "prose": ["/usr/share/doc/**/*", "/usr/share/man/**/*", "/usr/share/info/*",
+              *(f"{site}/**/{name}" for site in _SITE
+                for name in ("*.md", "*.rst", "*.txt", "METADATA")), "!*.html"],
+}
+SOURCE_PRESETS = {"default": DEFAULT_SOURCES, "installed": INSTALLED_SOURCES}
 # Caps that keep ensure_default_corpus near 15 s on two cores (`moelab train` with no
 # arguments calls it): about 2.5M tokens, plenty for the small models of the lab.
 DEFAULT_MAX_DOCS = 400

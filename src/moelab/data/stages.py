@@ -49,7 +49,7 @@ INGEST = pa.schema([
     ("quality", QUALITY_TYPE), ("text", pa.large_string()), ("signature", pa.list_(pa.uint32())),
 ])
 HASHES = pa.schema([("sha256", pa.string()), ("doc_id", pa.int64()), ("path", pa.string())])
-DROPPED = pa.schema([("doc_id", pa.int64()), ("reason", pa.string())])
+DROPPED = pa.schema([("doc_id", pa.int64()), ("of", pa.int64()), ("reason", pa.string())])
 BANDS = pa.schema([("key", pa.uint64()), ("doc_id", pa.int64())])
 PAIRS = pa.schema([("a", pa.int64()), ("b", pa.int64())])
 TOKENS = pa.schema([("doc_id", pa.int64()), ("source", pa.string()), ("split", pa.string()),
@@ -146,8 +146,8 @@ def exact_dedup(plan: Plan, part: int) -> None:
     dropped = []
     for _, group in groupby(rows, key=lambda r: r["sha256"]):
         first, *rest = group
-        dropped += [{"doc_id": r["doc_id"], "reason": f"exact_dup_of:{first['path']}"}
-                    for r in rest]
+        dropped += [{"doc_id": r["doc_id"], "of": first["doc_id"],
+                     "reason": f"exact_dup_of:{first['path']}"} for r in rest]
     write_table(out, pa.Table.from_pylist(dropped, schema=DROPPED))
 
 
@@ -209,7 +209,8 @@ def pair(plan: Plan, part: int) -> None:
 
 def cluster(plan: Plan) -> None:
     """Confirm candidate pairs by estimated Jaccard, merge them into clusters; every
-    member but the cluster's first document is dropped, naming that one."""
+    member but the cluster's first document is dropped, naming that one. An exact copy of
+    a dropped member names it too: the manifest always points at the document kept."""
     out = plan.path("clusters.parquet")
     if done(out):
         return
@@ -228,8 +229,13 @@ def cluster(plan: Plan) -> None:
     confirmed = [(a, b) for a, b in sorted(pairs)
                  if dedup.jaccard(signatures[a], signatures[b]) >= plan.near_dup_threshold]
     roots = dedup.cluster_roots(confirmed)
-    dropped = [{"doc_id": x, "reason": f"near_dup_of:{paths[r]}"}
-               for x, r in sorted(roots.items()) if x != r]
+    dropped = {x: r for x, r in roots.items() if x != r}
+    exact = pa.concat_tables([read_table(f) for f in _exact_dropped_files(plan)])
+    for x, of in zip(exact["doc_id"].to_pylist(), exact["of"].to_pylist(), strict=True):
+        if of in dropped:  # of's own exact copies are behind its cluster's first document
+            dropped[x] = dropped[of]
+    dropped = [{"doc_id": x, "of": r, "reason": f"near_dup_of:{paths[r]}"}
+               for x, r in sorted(dropped.items())]
     write_table(out, pa.Table.from_pylist(dropped, schema=DROPPED))
 
 
