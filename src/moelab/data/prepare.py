@@ -100,7 +100,9 @@ def prepare(
     if shard_docs < 1 or (partitions is not None and partitions < 1):
         raise UserError("shard_docs and partitions must be >= 1")
     globs = source_globs(DEFAULT_SOURCES if sources is None else sources)
-    docs = list_documents(globs, max_docs_per_source)
+    seconds: dict[str, float] = {}
+    with _timed(seconds, "list"):
+        docs = list_documents(globs, max_docs_per_source)
     bands, rows = lsh_bands(near_dup_threshold)
     n_shards = -(-len(docs) // shard_docs)
     plan = stages.Plan(
@@ -122,7 +124,7 @@ def prepare(
     del docs  # from here on the documents live in the list shards
     try:
         with RayExecutor() if use_ray else Executor(workers) as executor:
-            seconds = _run_stages(plan, executor, val_fraction)
+            _run_stages(plan, executor, val_fraction, seconds)
     except UserError:  # bad input, not an interruption: leave nothing behind
         shutil.rmtree(out_dir if created else plan.work, ignore_errors=True)
         raise
@@ -141,8 +143,8 @@ def _start_work(plan: stages.Plan, fingerprint: str) -> None:
     write_json(plan_file, {"fingerprint": fingerprint})
 
 
-def _run_stages(plan: stages.Plan, executor: Executor, val_fraction: float) -> dict[str, float]:
-    seconds: dict[str, float] = {}
+def _run_stages(plan: stages.Plan, executor: Executor, val_fraction: float,
+                seconds: dict[str, float]) -> None:
     with _timed(seconds, "ingest"):
         executor.map(stages.tasks(plan, "ingest"), "ingest")
     with _timed(seconds, "dedup"):
@@ -158,7 +160,6 @@ def _run_stages(plan: stages.Plan, executor: Executor, val_fraction: float) -> d
     with _timed(seconds, "tokenize"):
         executor.map(stages.tasks(plan, "tokenize", counts=counts, val_fraction=val_fraction),
                      "tokenize")
-    return seconds
 
 
 def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:

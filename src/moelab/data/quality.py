@@ -119,9 +119,13 @@ def _prose_scores(text: str) -> dict[str, float]:
     }
 
 
+def _ngrams(words: list[str], n: int) -> list[tuple[str, ...]]:
+    return list(zip(*(words[i:] for i in range(n)), strict=False))  # the shorter tails end it
+
+
 def _top_ngram_fraction(words: list[str], n: int) -> float:
     """Characters in the most frequent n-gram's occurrences over all word characters."""
-    grams = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+    grams = Counter(_ngrams(words, n))
     if not grams:
         return 0.0
     gram, count = grams.most_common(1)[0]
@@ -130,10 +134,11 @@ def _top_ngram_fraction(words: list[str], n: int) -> float:
 
 def _dup_ngram_fraction(words: list[str], n: int) -> float:
     """Characters of words covered by an n-gram that occurs more than once."""
-    starts = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+    grams = _ngrams(words, n)
+    counts = Counter(grams)
     covered = [False] * len(words)
-    for i in range(len(words) - n + 1):
-        if starts[tuple(words[i : i + n])] > 1:
+    for i, gram in enumerate(grams):
+        if counts[gram] > 1:
             covered[i : i + n] = [True] * n
     return _fraction(sum(len(w) for w, c in zip(words, covered, strict=True) if c),
                      sum(map(len, words)))
