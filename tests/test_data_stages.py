@@ -15,7 +15,7 @@ from conftest import words_text, write_corpus
 
 from moelab.cli import main
 from moelab.data import quality, stages
-from moelab.data.dedup import cluster_roots
+from moelab.data.dedup import BUCKET_WINDOW, bucket_pairs, cluster_roots
 from moelab.data.loader import read_meta
 from moelab.data.prepare import WORK_DIR, prepare
 from moelab.data.provenance import read_manifest
@@ -66,6 +66,13 @@ def test_clusters_are_merged_and_name_the_first_document():
     assert cluster_roots([]) == {}
 
 
+def test_band_buckets_pair_every_document_with_its_window():
+    assert sorted(bucket_pairs([1, 4, 9])) == [(1, 4), (1, 9), (4, 9)]
+    big = list(bucket_pairs(list(range(1000))))
+    assert len(big) == sum(min(BUCKET_WINDOW, 999 - i) for i in range(1000))  # not 1000^2/2
+    assert cluster_roots(big) == {i: 0 for i in range(1000)}
+
+
 def test_a_chain_of_near_copies_and_their_exact_copies_all_name_the_kept_one(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -111,6 +118,15 @@ def test_an_interrupted_prepare_resumes_from_its_complete_tasks(tmp_path, monkey
     monkeypatch.setattr(stages, "train_on_sample", real_train)
     prepare(tmp_path / "out", sources, **{**settings, "min_chars": 60})
     assert len(calls) == 75  # other settings: the stale stage outputs were not reused
+
+
+def test_every_source_gets_one_val_document_even_when_none_hashes_into_val(tmp_path):
+    glob = write_corpus(tmp_path, "src", 6, 100, seed=4)
+    (tmp_path / "src" / "a_first_and_too_short.txt").write_text("short")
+    prepare(tmp_path / "data", {"docs": glob}, val_fraction=0.0, workers=1, shard_docs=2,
+            **SMALL)
+    splits = [r["split"] for r in read_manifest(tmp_path / "data")]
+    assert sorted(splits) == ["", "train", "train", "train", "train", "train", "val"]
 
 
 # ------------------------------------------------------------------------ quality
@@ -188,14 +204,14 @@ KILL_SCRIPT = """
 import sys
 from moelab.data.prepare import prepare
 prepare(sys.argv[1], {"a": sys.argv[2], "b": sys.argv[3]}, vocab_size=300, min_chars=50,
-        workers=2, shard_docs=6)
+        workers=2, shard_docs=4)
 """
 
 
-@pytest.mark.slow  # ten killed runs and their resumes: about 2 minutes on two cores
+@pytest.mark.slow  # ten killed runs and their resumes: minutes (10 on two loaded cores)
 def test_sigkill_at_random_points_then_rerun_gives_the_same_bytes(tmp_path):
-    sources = [write_corpus(tmp_path, "a", 120, 300, seed=11),
-               write_corpus(tmp_path, "b", 80, 200, seed=12)]
+    sources = [write_corpus(tmp_path, "a", 60, 300, seed=11),
+               write_corpus(tmp_path, "b", 40, 200, seed=12)]
 
     def run(out: Path, kill_after: float | None) -> bool:
         """True when the run finished; killed (with its workers) after kill_after s."""

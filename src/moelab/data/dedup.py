@@ -23,6 +23,7 @@ NUM_PERM = 128  # permutations per signature: Jaccard estimates to about +-0.04
 MAX_THRESHOLD = 0.98  # above this, NUM_PERM permutations leave too few LSH bands
 SHINGLE_WORDS = 5  # documents are compared as sets of 5-word windows
 _SCHEME = "affine32"  # datasketch's default
+BUCKET_WINDOW = 32  # candidate partners per document in one band bucket
 
 
 def signature(text: str) -> np.ndarray:
@@ -57,9 +58,12 @@ def jaccard(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def bucket_pairs(doc_ids: list[int]) -> Iterable[tuple[int, int]]:
-    """Candidate pairs of one band bucket (ids sorted): every pair, so a pair similar to
-    each other but not to the bucket's first document is still seen."""
-    return ((a, b) for i, a in enumerate(doc_ids) for b in doc_ids[i + 1 :])
+    """Candidate pairs of one band bucket (ids sorted): each document with the next
+    BUCKET_WINDOW ones. A bucket of up to BUCKET_WINDOW + 1 documents gives every pair
+    (so two documents similar to each other but not to the first are still seen); a
+    huge one (thousands of near-identical license files) gives k * BUCKET_WINDOW pairs,
+    not k^2, and its members still chain into one cluster through their neighbours."""
+    return ((a, b) for i, a in enumerate(doc_ids) for b in doc_ids[i + 1 : i + 1 + BUCKET_WINDOW])
 
 
 def cluster_roots(pairs: Iterable[tuple[int, int]]) -> dict[int, int]:

@@ -136,6 +136,8 @@ def prepare(
 def _start_work(plan: stages.Plan, fingerprint: str) -> None:
     """Keep the stage outputs of an interrupted run with the same inputs, else start over."""
     work = Path(plan.work)
+    for stale in [*work.parent.glob(".*.tmp"), *work.rglob(".*.tmp")]:
+        stale.unlink()  # half-written by a killed run (a clean failure removes its own)
     plan_file = work / PLAN_FILE
     if plan_file.is_file() and json.loads(plan_file.read_text()).get("fingerprint") != fingerprint:
         shutil.rmtree(work)

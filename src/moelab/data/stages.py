@@ -266,11 +266,11 @@ def split_counts(plan: Plan, val_fraction: float) -> dict[str, dict]:
         table = read_table(plan.shard_file("decided", shard), ["source", "sha256", "status"])
         for source, sha, status in zip(*(table[c].to_pylist() for c in table.column_names),
                                        strict=True):
-            count = counts.setdefault(source, {"kept": 0, "val": 0, "min": sha, "max": sha})
-            if status == "kept":
+            count = counts.setdefault(source, {"kept": 0, "val": 0, "min": "", "max": ""})
+            if status == "kept":  # "" sorts before every hash: the first kept one sets both
                 count["kept"] += 1
                 count["val"] += _hashes_to_val(sha, val_fraction)
-                count["min"], count["max"] = min(count["min"], sha), max(count["max"], sha)
+                count["min"], count["max"] = min(count["min"] or sha, sha), max(count["max"], sha)
     return counts
 
 
