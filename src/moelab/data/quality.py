@@ -12,8 +12,9 @@ reason `quality_<score>`, so drops are counted per rule.
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Mapping
+
+import numpy as np
 
 from moelab.errors import UserError
 
@@ -101,11 +102,17 @@ def _prose_scores(text: str) -> dict[str, float]:
     lines = [line for line in text.split("\n") if line.strip()]
     n_words, n_lines = len(words), len(lines)
     symbols = text.count("#") + text.count("...") + text.count("\u2026")
+    # each distinct word is looked at once; per-position values come from its id
+    vocab: dict[str, int] = {}
+    ids = np.fromiter((vocab.setdefault(w, len(vocab)) for w in words), np.int64, n_words)
+    word_len = np.fromiter(map(len, vocab), np.int64, len(vocab))
+    has_letter = np.fromiter((any(c.isalpha() for c in w) for w in vocab), bool, len(vocab))
+    lengths = word_len[ids]
     return {
         "word_count": n_words,
-        "mean_word_length": _fraction(sum(map(len, words)), n_words),
+        "mean_word_length": _fraction(lengths.sum(), n_words),
         "symbol_word_ratio": _fraction(symbols, n_words),
-        "alpha_word_fraction": _fraction(sum(any(c.isalpha() for c in w) for w in words),
+        "alpha_word_fraction": _fraction(np.bincount(ids, minlength=len(vocab))[has_letter].sum(),
                                          n_words),
         "bullet_line_fraction": _fraction(
             sum(line.lstrip().startswith(_BULLET) for line in lines), n_lines),
@@ -114,34 +121,39 @@ def _prose_scores(text: str) -> dict[str, float]:
         "punct_line_fraction": _fraction(
             sum(line.rstrip().endswith(_TERMINAL) for line in lines), n_lines),
         "dup_line_fraction": _fraction(n_lines - len(set(lines)), n_lines),
-        "top_2gram_fraction": _top_ngram_fraction(words, 2),
-        "dup_5gram_fraction": _dup_ngram_fraction(words, 5),
+        "top_2gram_fraction": _top_ngram_fraction(ids, lengths, 2),
+        "dup_5gram_fraction": _dup_ngram_fraction(ids, lengths, 5),
     }
 
 
-def _ngrams(words: list[str], n: int) -> list[tuple[str, ...]]:
-    return list(zip(*(words[i:] for i in range(n)), strict=False))  # the shorter tails end it
+def _occurrences(ids: np.ndarray, n: int) -> np.ndarray:
+    """For each start position, how often its n-gram of word ids occurs in the text.
+    The n-gram gets an exact id one word at a time: (id of the k-gram, next word) ->
+    id of the (k+1)-gram, both below len(ids) + 1, so the key fits in an int64."""
+    grams = ids
+    for k in range(1, n):
+        _, grams = np.unique(grams[:-1] * (len(ids) + 1) + ids[k:], return_inverse=True)
+    return np.bincount(grams)[grams]
 
 
-def _top_ngram_fraction(words: list[str], n: int) -> float:
-    """Characters in the most frequent n-gram's occurrences over all word characters."""
-    grams = Counter(_ngrams(words, n))
-    if not grams:
+def _top_ngram_fraction(ids: np.ndarray, lengths: np.ndarray, n: int) -> float:
+    """Characters in the most frequent n-gram's occurrences over all word characters
+    (the first of equally frequent ones)."""
+    if len(ids) < n:
         return 0.0
-    gram, count = grams.most_common(1)[0]
-    return _fraction(sum(map(len, gram)) * count, sum(map(len, words)))
+    occurrences = _occurrences(ids, n)
+    first = int(np.argmax(occurrences))
+    return _fraction(int(lengths[first : first + n].sum()) * int(occurrences[first]),
+                     lengths.sum())
 
 
-def _dup_ngram_fraction(words: list[str], n: int) -> float:
+def _dup_ngram_fraction(ids: np.ndarray, lengths: np.ndarray, n: int) -> float:
     """Characters of words covered by an n-gram that occurs more than once."""
-    grams = _ngrams(words, n)
-    counts = Counter(grams)
-    covered = [False] * len(words)
-    for i, gram in enumerate(grams):
-        if counts[gram] > 1:
-            covered[i : i + n] = [True] * n
-    return _fraction(sum(len(w) for w, c in zip(words, covered, strict=True) if c),
-                     sum(map(len, words)))
+    if len(ids) < n:
+        return 0.0
+    repeated = (_occurrences(ids, n) > 1).astype(np.int64)
+    covered = np.convolve(repeated, np.ones(n, np.int64)) > 0  # word j: any start in j-n+1..j
+    return _fraction(lengths[covered].sum(), lengths.sum())
 
 
 def _code_scores(text: str) -> dict[str, float]:
