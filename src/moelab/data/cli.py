@@ -34,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--quality", action="append", default=[], metavar="SCORE=MIN:MAX",
                          help="override a quality threshold, either bound may be empty "
                          "(word_count=20:, dup_5gram_fraction=:0.3, word_count=: turns it off)")
-    prepare.add_argument("--shard-docs", type=int, default=128, help="documents per shard")
+    prepare.add_argument("--shard-docs", type=int, default=None,
+                         help="documents per shard (default 32)")
     prepare.add_argument("--workers", type=int, default=None,
                          help="local processes (default: one per CPU)")
     prepare.add_argument("--ray", action="store_true",

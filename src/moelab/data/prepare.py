@@ -36,7 +36,8 @@ from moelab.errors import UserError
 
 WORK_DIR = ".stages"  # stage outputs, inside the dataset directory: every worker sees it
 PLAN_FILE = "plan.json"
-SHARD_DOCS = 128  # documents per shard: small enough to balance two cores on 800 documents
+SHARD_DOCS = 32  # documents per shard: 25 tasks balance two cores on the default 800
+SHARDS_PER_PARTITION = 8  # default partitions: one per 8 shards (files: shards x partitions)
 MAX_PARTITIONS = 64
 TOKENIZER_SAMPLE_CHARS = 64_000_000  # ~64 MB of text: more than the default corpus holds
 _STDLIB = sysconfig.get_paths()["stdlib"]
@@ -78,7 +79,7 @@ def prepare(
     use_ray: bool = False,
     max_chars: int | None = None,
     quality_thresholds: Mapping | None = None,
-    shard_docs: int = SHARD_DOCS,
+    shard_docs: int | None = None,
     partitions: int | None = None,
     tokenizer_sample_chars: int = TOKENIZER_SAMPLE_CHARS,
     seed: int = 0,
@@ -90,13 +91,14 @@ def prepare(
     those failing a quality threshold ({score: [min, max]} over quality's defaults) and
     those in a near-duplicate cluster (MinHash Jaccard >= near_dup_threshold) behind its
     first document; about val_fraction of each source's documents are held out. workers /
-    use_ray choose the executor (None = one process per CPU); shard_docs and partitions
-    (None = one per shard, at most 64) size the tasks; the tokenizer trains on at most
+    use_ray choose the executor (None = one process per CPU); shard_docs (None = 32) and
+    partitions (None = one per 8 shards, at most 64) size the tasks; the tokenizer trains on at most
     tokenizer_sample_chars of train text, sampled with seed. The output bytes depend on
     neither the executor nor the number of workers.
     """
     _check_settings(vocab_size, near_dup_threshold, val_fraction, min_chars)
     thresholds = quality.check_thresholds(quality_thresholds or {})
+    shard_docs = SHARD_DOCS if shard_docs is None else shard_docs
     if shard_docs < 1 or (partitions is not None and partitions < 1):
         raise UserError("shard_docs and partitions must be >= 1")
     globs = source_globs(DEFAULT_SOURCES if sources is None else sources)
@@ -107,7 +109,8 @@ def prepare(
     n_shards = -(-len(docs) // shard_docs)
     plan = stages.Plan(
         work=str(Path(out_dir) / WORK_DIR), n_docs=len(docs), shard_docs=shard_docs,
-        partitions=partitions or min(n_shards, MAX_PARTITIONS), min_chars=min_chars,
+        partitions=partitions or min(-(-n_shards // SHARDS_PER_PARTITION), MAX_PARTITIONS),
+        min_chars=min_chars,
         max_chars=max_chars, thresholds=thresholds, near_dup_threshold=near_dup_threshold,
         bands=bands, rows=rows, vocab_size=vocab_size,
         tokenizer_sample_chars=tokenizer_sample_chars, seed=seed)
@@ -151,6 +154,7 @@ def _run_stages(plan: stages.Plan, executor: Executor, val_fraction: float,
         executor.map(stages.tasks(plan, "ingest"), "ingest")
     with _timed(seconds, "dedup"):
         executor.map(stages.tasks(plan, "exact"), "exact dedup")
+        stages.merge_exact(plan)
         executor.map(stages.tasks(plan, "band"), "minhash bands")
         executor.map(stages.tasks(plan, "pair"), "candidate pairs")
         stages.cluster(plan)

@@ -4,6 +4,7 @@
     ingest     per shard ingest/part-S        read, decode, normalize, filter, score, sign
                          exact/pP/part-S      (sha256, doc_id, path) by sha256 partition
     exact      per part  exact/dropped-P      all but the first of each sha256
+               (one)     exact/dropped        merged in doc_id order
     bands      per shard bands/pP/part-S      (band key, doc_id) by key partition
     pairs      per part  pairs/part-P         candidate pairs: documents sharing a key
     clusters   (one)     clusters.parquet     pairs confirmed by Jaccard, union-find
@@ -28,25 +29,28 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from itertools import groupby
+from itertools import groupby, islice
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from moelab.data import dedup
 from moelab.data.executor import Task
 from moelab.data.ingest import Document, process_document
 from moelab.data.provenance import MANIFEST_SCHEMA, QUALITY_TYPE
-from moelab.data.shards import read_table, token_dtype, write_table, write_text
+from moelab.data.shards import atomic_write, read_table, token_dtype, write_table, write_text
 from moelab.data.tokenizer import EOS, TOKENIZER_FILE, train_tokenizer
 
 LIST = pa.schema([("doc_id", pa.int64()), ("source", pa.string()), ("path", pa.string())])
 INGEST = pa.schema([
     ("doc_id", pa.int64()), ("source", pa.string()), ("path", pa.string()),
     ("sha256", pa.string()), ("status", pa.string()), ("reason", pa.string()),
-    ("quality", QUALITY_TYPE), ("text", pa.large_string()), ("signature", pa.list_(pa.uint32())),
+    ("quality", QUALITY_TYPE), ("chars", pa.int64()), ("text", pa.large_string()),
+    ("signature", pa.list_(pa.uint32())),
 ])
 HASHES = pa.schema([("sha256", pa.string()), ("doc_id", pa.int64()), ("path", pa.string())])
 DROPPED = pa.schema([("doc_id", pa.int64()), ("of", pa.int64()), ("reason", pa.string())])
@@ -55,6 +59,7 @@ PAIRS = pa.schema([("a", pa.int64()), ("b", pa.int64())])
 TOKENS = pa.schema([("doc_id", pa.int64()), ("source", pa.string()), ("split", pa.string()),
                     ("ids", pa.list_(pa.uint32()))])
 ENCODE_CHUNK = 64  # documents per encode_batch call
+ROW_GROUP = 65_536  # rows per Parquet row group of the merged drop lists
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,8 @@ def ingest(plan: Plan, shard: int) -> None:
                                thresholds=plan.thresholds)
         rows.append({"doc_id": listed["doc_id"], "source": doc.source, "path": doc.path,
                      "sha256": doc.sha256, "status": doc.status, "reason": doc.reason,
-                     "quality": doc.quality or None, "text": doc.text if doc.kept else None,
+                     "quality": doc.quality or None, "chars": len(doc.text) if doc.kept else 0,
+                     "text": doc.text if doc.kept else None,
                      "signature": None if doc.signature is None else doc.signature.tolist()})
     table = pa.Table.from_pylist(rows, schema=INGEST)
     kept = table.filter(pc.equal(table["status"], "kept"))
@@ -148,22 +154,44 @@ def exact_dedup(plan: Plan, part: int) -> None:
         first, *rest = group
         dropped += [{"doc_id": r["doc_id"], "of": first["doc_id"],
                      "reason": f"exact_dup_of:{first['path']}"} for r in rest]
-    write_table(out, pa.Table.from_pylist(dropped, schema=DROPPED))
+    write_table(out, pa.Table.from_pylist(dropped, schema=DROPPED).sort_by("doc_id"))
+
+
+def merge_exact(plan: Plan) -> None:
+    """exact/dropped.parquet: every partition's drops merged in doc_id order (a k-way
+    merge, one batch per partition in memory), in row groups, so that a shard task reads
+    only the row groups of its own doc_id range."""
+    out = plan.path("exact", "dropped.parquet")
+    if done(out):
+        return
+
+    def rows(path: Path) -> Iterator[dict]:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=ROW_GROUP):
+            yield from batch.to_pylist()
+
+    merged = heapq.merge(*(rows(f) for f in _exact_partition_files(plan)),
+                         key=lambda r: r["doc_id"])
+
+    def write(file: IO[bytes]) -> None:
+        with pq.ParquetWriter(file, DROPPED) as writer:
+            while chunk := list(islice(merged, ROW_GROUP)):
+                writer.write_table(pa.Table.from_pylist(chunk, schema=DROPPED))
+
+    atomic_write(out, write)
 
 
 def _dropped_in(plan: Plan, files: list[Path], shard: int) -> dict[int, str]:
-    """{doc_id: reason} of the shard's documents among the dropped files."""
+    """{doc_id: reason} of the shard's documents in dropped files sorted by doc_id:
+    the row-group statistics let Parquet skip every other shard's rows."""
     lo, hi = plan.doc_range(shard)
     found: dict[int, str] = {}
     for path in files:
-        table = read_table(path)
-        ids = table["doc_id"]
-        mine = table.filter(pc.and_(pc.greater_equal(ids, lo), pc.less(ids, hi)))
+        mine = pq.read_table(path, filters=[("doc_id", ">=", lo), ("doc_id", "<", hi)])
         found.update(zip(mine["doc_id"].to_pylist(), mine["reason"].to_pylist(), strict=True))
     return found
 
 
-def _exact_dropped_files(plan: Plan) -> list[Path]:
+def _exact_partition_files(plan: Plan) -> list[Path]:
     return [plan.path("exact", f"dropped-{p:03d}.parquet") for p in range(plan.partitions)]
 
 
@@ -176,7 +204,7 @@ def band(plan: Plan, shard: int) -> None:
     if done(*outs):
         return
     table = read_table(plan.shard_file("ingest", shard), ["doc_id", "status", "signature"])
-    exact = _dropped_in(plan, _exact_dropped_files(plan), shard)
+    exact = _dropped_in(plan, [plan.path("exact", "dropped.parquet")], shard)
     keys: list[list[int]] = [[] for _ in range(plan.partitions)]
     ids: list[list[int]] = [[] for _ in range(plan.partitions)]
     for doc_id, status, sig in zip(*(table[c].to_pylist() for c in table.column_names),
@@ -230,10 +258,11 @@ def cluster(plan: Plan) -> None:
                  if dedup.jaccard(signatures[a], signatures[b]) >= plan.near_dup_threshold]
     roots = dedup.cluster_roots(confirmed)
     dropped = {x: r for x, r in roots.items() if x != r}
-    exact = pa.concat_tables([read_table(f) for f in _exact_dropped_files(plan)])
-    for x, of in zip(exact["doc_id"].to_pylist(), exact["of"].to_pylist(), strict=True):
-        if of in dropped:  # of's own exact copies are behind its cluster's first document
-            dropped[x] = dropped[of]
+    exact = pq.ParquetFile(plan.path("exact", "dropped.parquet"))
+    for batch in exact.iter_batches(batch_size=ROW_GROUP, columns=["doc_id", "of"]):
+        for x, of in zip(batch["doc_id"].to_pylist(), batch["of"].to_pylist(), strict=True):
+            if of in dropped:  # of's own exact copies are behind its cluster's first one
+                dropped[x] = dropped[of]
     dropped = [{"doc_id": x, "of": r, "reason": f"near_dup_of:{paths[r]}"}
                for x, r in sorted(dropped.items())]
     write_table(out, pa.Table.from_pylist(dropped, schema=DROPPED))
@@ -249,8 +278,8 @@ def decide(plan: Plan, shard: int) -> None:
         return
     table = read_table(plan.shard_file("ingest", shard),
                        ["doc_id", "source", "path", "sha256", "status", "reason", "quality"])
-    dropped = _dropped_in(plan, [*_exact_dropped_files(plan), plan.path("clusters.parquet")],
-                          shard)
+    dropped = _dropped_in(plan, [plan.path("exact", "dropped.parquet"),
+                                 plan.path("clusters.parquet")], shard)
     rows = table.to_pylist()
     for row in rows:
         if row["doc_id"] in dropped:
@@ -300,25 +329,39 @@ def _kept_texts(plan: Plan, shard: int) -> Iterator[tuple[dict, str]]:
 
 def train_on_sample(plan: Plan, counts: dict[str, dict], val_fraction: float) -> None:
     """Train the tokenizer on the train documents of smallest seeded hash whose text fits
-    in tokenizer_sample_chars: a sample that is reproducible, spread over all shards and
-    bounded in memory (a heap of at most the budget's text)."""
+    in tokenizer_sample_chars: reproducible and spread over all shards. Two passes, so
+    that memory holds ids and lengths, never the texts: the first picks the sample, the
+    second streams its texts (in canonical order) into the trainer."""
     out = plan.path(TOKENIZER_FILE)
     if done(out):
         return
-    heap: list[tuple[bytes, str]] = []  # (negated priority, text): the largest on top
+    heap: list[tuple[bytes, int, int]] = []  # (negated priority, doc_id, chars): largest on top
     chars = 0
     for shard in range(plan.shards):
-        for record, text in _kept_texts(plan, shard):
-            if split_of(record["sha256"], counts[record["source"]], val_fraction) != "train":
+        decided = read_table(plan.shard_file("decided", shard),
+                             ["doc_id", "source", "sha256", "status"])
+        lengths = read_table(plan.shard_file("ingest", shard), ["chars"])["chars"].to_pylist()
+        rows = zip(*(decided[c].to_pylist() for c in decided.column_names), lengths, strict=True)
+        for doc_id, source, sha, status, n_chars in rows:
+            if status != "kept" or split_of(sha, counts[source], val_fraction) != "train":
                 continue
-            priority = hashlib.sha256(f"{plan.seed}:{record['sha256']}".encode()).digest()
-            heapq.heappush(heap, (bytes(255 - b for b in priority), text))
-            chars += len(text)
+            priority = hashlib.sha256(f"{plan.seed}:{sha}".encode()).digest()
+            heapq.heappush(heap, (bytes(255 - b for b in priority), doc_id, n_chars))
+            chars += n_chars
             while chars > plan.tokenizer_sample_chars and len(heap) > 1:
-                chars -= len(heapq.heappop(heap)[1])
-    texts = [text for _, text in sorted(heap, reverse=True)]  # by priority, ascending
-    tokenizer = train_tokenizer(texts, plan.vocab_size)
+                chars -= heapq.heappop(heap)[2]
+    tokenizer = train_tokenizer(_texts_of(plan, {doc_id for _, doc_id, _ in heap}),
+                                plan.vocab_size)
     write_text(out, tokenizer.to_str())
+
+
+def _texts_of(plan: Plan, chosen: set[int]) -> Iterator[str]:
+    for shard in range(plan.shards):
+        table = read_table(plan.shard_file("ingest", shard), ["doc_id", "text"])
+        for doc_id, text in zip(table["doc_id"].to_pylist(), table["text"].to_pylist(),
+                                strict=True):
+            if doc_id in chosen:
+                yield text
 
 
 def tokenize(plan: Plan, shard: int, counts: dict[str, dict], val_fraction: float) -> None:
