@@ -1,6 +1,7 @@
 """The staged pipeline: output independent of sharding and executor, resume after a kill,
 duplicate clusters, quality scores, and the real Ray executor."""
 
+import hashlib
 import os
 import random
 import shutil
@@ -129,6 +130,16 @@ def test_every_source_gets_one_val_document_even_when_none_hashes_into_val(tmp_p
     assert sorted(splits) == ["", "train", "train", "train", "train", "train", "val"]
 
 
+def test_a_huge_file_is_too_long_without_being_read_whole(tmp_path):
+    glob = write_corpus(tmp_path, "src", 3, 100, seed=7)
+    huge = words_text(random.Random(8), 2000).encode()  # > 4 bytes per allowed character
+    (tmp_path / "src" / "huge.txt").write_bytes(huge)
+    prepare(tmp_path / "data", {"docs": glob}, max_chars=len(huge) // 5, workers=1, **SMALL)
+    record = {Path(r["path"]).name: r for r in read_manifest(tmp_path / "data")}["huge.txt"]
+    assert record["reason"] == "too_long"
+    assert record["sha256"] == hashlib.sha256(huge).hexdigest()  # of the bytes, streamed
+
+
 # ------------------------------------------------------------------------ quality
 
 
@@ -232,11 +243,11 @@ def test_sigkill_at_random_points_then_rerun_gives_the_same_bytes(tmp_path):
     duration = time.perf_counter() - start
     reference = tree_bytes(tmp_path / "reference")
     rng = random.Random(0)
-    killed = 0
     for attempt in range(10):
         out = tmp_path / f"out{attempt}"
-        while not run(out, rng.uniform(0.5, duration)):  # killed: resume, maybe killed again
-            killed += 1
+        while run(out, rng.uniform(0.5, duration)):  # finished before the kill: again
+            shutil.rmtree(out)
+        while not run(out, rng.uniform(0.5, duration)):  # resume, maybe killed again
+            pass
         assert tree_bytes(out) == reference, attempt
         shutil.rmtree(out)
-    assert killed >= 10

@@ -25,6 +25,7 @@ from moelab.data.text import decode, is_man_page, normalize, strip_roff
 from moelab.errors import UserError
 
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")  # names become shard file names
+MAX_BYTES_PER_CHAR = 4  # UTF-8: more bytes than 4 x max_chars cannot be max_chars of text
 
 
 @dataclass
@@ -96,11 +97,20 @@ def list_documents(
     return docs
 
 
-def read_bytes(path: str) -> bytes:
-    """The file's bytes, gunzipped when it ends in .gz (man pages, changelogs)."""
-    with open(path, "rb") as file:
-        data = file.read()
-    return gzip.decompress(data) if path.endswith(".gz") else data
+def read_bytes(path: str, limit: int | None = None) -> bytes:
+    """The file's bytes, gunzipped when it ends in .gz (man pages, changelogs); at most
+    limit + 1 of them, so that a huge file costs no more memory than the limit."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as file:
+        return file.read() if limit is None else file.read(limit + 1)
+
+
+def _bytes_digest(path: str) -> str:
+    """sha256 of the (gunzipped) bytes, read a megabyte at a time."""
+    digest = hashlib.sha256()
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def process_document(
@@ -110,9 +120,15 @@ def process_document(
     max_chars: int | None = None,
     thresholds: Mapping = quality.DEFAULT_THRESHOLDS,
 ) -> Document:
-    """Read, decode, normalize, length-filter, quality-score and MinHash-sign one document."""
+    """Read, decode, normalize, length-filter, quality-score and MinHash-sign one document.
+    A file of more than MAX_BYTES_PER_CHAR * max_chars bytes is too long whatever its
+    text: it is not read whole (its sha256 is then that of its bytes)."""
+    limit = None if max_chars is None else MAX_BYTES_PER_CHAR * max_chars
     try:
-        data = read_bytes(doc.path)
+        data = read_bytes(doc.path, limit)
+        if limit is not None and len(data) > limit:
+            return Document(doc.source, doc.path, _bytes_digest(doc.path), status="dropped",
+                            reason="too_long")
     except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
         return Document(doc.source, doc.path, status="dropped",
                         reason=f"unreadable:{getattr(err, 'strerror', None) or err}")

@@ -15,10 +15,13 @@
 A task is a pure function of its inputs and writes each output atomically, so a task
 whose outputs all exist is skipped: a killed prepare resumes where it stopped and writes
 the same bytes. Parquet because its columns can be read alone (the bands stage reads
-signatures without the text), it compresses text about 3x, and every engine (Ray Data,
-datatrove, pandas, DuckDB) reads it. Memory: a shard task holds one shard; a partition
-task holds 1/P of the keys; `clusters` holds the candidate pairs only; the tokenizer
-sample is capped in characters.
+signatures without the text), row-group statistics let a task read only its doc_id
+range of a sorted file, it is compressed, and every engine (Ray Data, datatrove, pandas,
+DuckDB) reads it. Memory: a shard task holds one shard; a partition task holds 1/P of
+the keys; `clusters` holds the candidate pairs and the near-dropped ids (it grows with
+the duplicates, not the corpus, like datatrove's cluster stage); the tokenizer sees a
+sample capped in characters, streamed. The hash shuffle writes shards x partitions small
+files per keyed stage, which is why partitions default to one per 8 shards.
 """
 
 from __future__ import annotations
