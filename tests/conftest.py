@@ -1,6 +1,7 @@
 """Shared fixtures: a small real two-source dataset and a tiny training config."""
 
 import os
+import random
 import sysconfig
 from pathlib import Path
 
@@ -123,3 +124,17 @@ def chromium(tmp_path_factory):
     browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(driver))
     yield browser
     browser.quit()
+def words_text(rng: random.Random, n_words: int) -> str:
+    """Text of made-up words: distinct documents share almost no 5-word windows."""
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 7)))
+             for _ in range(n_words)]
+    return "\n".join(" ".join(words[i : i + 12]) for i in range(0, n_words, 12))
+
+
+def write_corpus(root: Path, name: str, n_docs: int, n_words: int, seed: int) -> str:
+    """n_docs files under root/name; returns their glob."""
+    rng = random.Random(seed)
+    (root / name).mkdir(parents=True)
+    for i in range(n_docs):
+        (root / name / f"doc{i:03d}.txt").write_text(words_text(rng, n_words))
+    return str(root / name / "*.txt")

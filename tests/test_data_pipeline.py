@@ -3,42 +3,23 @@
 import gzip
 import json
 import random
-import sys
-import types
 from collections import Counter
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import words_text, write_corpus
 
 from moelab.cli import main
 from moelab.data import prepare as prepare_module
-from moelab.data.ingest import Document, map_documents, process_document
 from moelab.data.loader import Loader, read_meta
 from moelab.data.prepare import ensure_default_corpus, prepare
 from moelab.data.provenance import read_manifest
-from moelab.data.shards import atomic_write, shard_path
+from moelab.data.shards import shard_path
 from moelab.data.tokenizer import EOS, load_tokenizer
 from moelab.errors import UserError
 
 SMALL = {"vocab_size": 320, "workers": 1, "min_chars": 50}
-
-
-def words_text(rng: random.Random, n_words: int) -> str:
-    """Text of made-up words: distinct documents share almost no 5-word windows."""
-    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 7)))
-             for _ in range(n_words)]
-    return "\n".join(" ".join(words[i : i + 12]) for i in range(0, n_words, 12))
-
-
-def write_corpus(root: Path, name: str, n_docs: int, n_words: int, seed: int) -> str:
-    """n_docs files under root/name; returns their glob."""
-    rng = random.Random(seed)
-    (root / name).mkdir(parents=True)
-    for i in range(n_docs):
-        (root / name / f"doc{i:03d}.txt").write_text(words_text(rng, n_words))
-    return str(root / name / "*.txt")
 
 
 def records_by_name(data_dir: Path) -> dict[str, dict]:
@@ -82,7 +63,9 @@ def test_near_dup_threshold_is_honoured(tmp_path):
     src.mkdir()
     words = words_text(random.Random(0), 300).split()
     (src / "a.txt").write_text(" ".join(words))
-    (src / "b.txt").write_text(" ".join(words[:200] + ["x"] * 100))  # Jaccard about 0.6
+    other = words_text(random.Random(1), 100).split()
+    # 196 of the 296 word 5-grams shared, 396 in the union: Jaccard about 0.5
+    (src / "b.txt").write_text(" ".join(words[:200] + other))
     prepare(tmp_path / "strict", {"docs": str(src / "*.txt")}, near_dup_threshold=0.9, **SMALL)
     assert records_by_name(tmp_path / "strict")["b.txt"]["status"] == "kept"
     prepare(tmp_path / "loose", {"docs": str(src / "*.txt")}, near_dup_threshold=0.4, **SMALL)
@@ -94,7 +77,8 @@ def test_bad_files_are_dropped_with_their_reason(tmp_path):
     write_corpus(tmp_path, "src", 3, 200, seed=0)
     (src / "binary.txt").write_bytes(b"\x7fELF\x00\x00" + b"x" * 200)
     (src / "latin1.txt").write_bytes("Ünïcödé façade café ".encode("latin-1") * 20)
-    (src / "one_bad_byte.txt").write_bytes(b"caf\xe9 " + b"fine ascii words " * 20)
+    (src / "one_bad_byte.txt").write_bytes(
+        b"caf\xe9 " + words_text(random.Random(8), 60).encode())
     (src / "short.txt").write_text("too short")
     (src / "broken.txt").symlink_to(src / "missing")
     (src / "corrupt.txt.gz").write_bytes(b"not gzip at all")
@@ -137,20 +121,15 @@ def test_failed_or_interrupted_prepare_never_leaves_a_complete_looking_dataset(
         prepare(out, {"docs": str(tmp_path / "*.nothing")}, **SMALL)
     assert Loader(out, seq_len=8, batch_size=2).batch(0).shape == (2, 9)
 
-    real_write, written = prepare_module.write_array, []
+    real_write, written = prepare_module.write_stream, []
 
-    def half_write(file):
-        file.write(b"half a shard")
-        raise KeyboardInterrupt
-
-    def write_then_crash(path, array):  # the second shard is cut off halfway
+    def write_then_crash(path, pieces, total, dtype):  # the second stream is cut off halfway
         written.append(path)
         if len(written) == 1:
-            real_write(path, array)
-        else:
-            atomic_write(path, half_write)
+            return real_write(path, pieces, total, dtype)
+        return real_write(path, _interrupted(pieces), total, dtype)
 
-    monkeypatch.setattr(prepare_module, "write_array", write_then_crash)
+    monkeypatch.setattr(prepare_module, "write_stream", write_then_crash)
     with pytest.raises(KeyboardInterrupt):
         prepare(out, sources, **SMALL)
     assert np.load(written[1]).dtype == np.uint16  # the old shard, whole
@@ -158,6 +137,11 @@ def test_failed_or_interrupted_prepare_never_leaves_a_complete_looking_dataset(
     assert not list(out.glob(".*.tmp"))
     with pytest.raises(UserError, match="not a prepared dataset"):
         Loader(out)
+
+
+def _interrupted(pieces):
+    yield next(iter(pieces))
+    raise KeyboardInterrupt
 
 
 def test_tokenizer_round_trips_and_meta_describes_it(dataset):
@@ -171,7 +155,7 @@ def test_tokenizer_round_trips_and_meta_describes_it(dataset):
 
 def test_shards_pack_documents_with_eos_and_val_is_disjoint_from_train(dataset):
     tokenizer, meta = load_tokenizer(dataset), read_meta(dataset)
-    records = read_manifest(dataset)
+    records = list(read_manifest(dataset))
     for source in meta["sources"]:
         texts = {}
         for split in ("train", "val"):
@@ -183,26 +167,6 @@ def test_shards_pack_documents_with_eos_and_val_is_disjoint_from_train(dataset):
             mine = [r for r in records if r["source"] == source and r["split"] == split]
             assert len(ends) == len(mine) and sum(r["tokens"] for r in mine) == len(stream)
         assert texts["train"] and texts["val"] and not texts["train"] & texts["val"]
-
-
-def test_parallel_and_ray_maps_give_the_serial_result(tmp_path, monkeypatch):
-    glob = write_corpus(tmp_path, "src", 64, 40, seed=3)
-    docs = [Document("docs", str(p)) for p in sorted(Path(glob).parent.glob("*.txt"))]
-    fn = partial(process_document, min_chars=10)
-    serial = map_documents(fn, docs, workers=1)
-
-    def fake_ray_from_items(rows):  # the slice of the Ray Data API that ingest uses
-        dataset = types.SimpleNamespace()
-        dataset.map = lambda f: types.SimpleNamespace(take_all=lambda: [f(r) for r in rows][::-1])
-        return dataset
-
-    fake_data = types.SimpleNamespace(from_items=fake_ray_from_items)
-    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(data=fake_data))
-    monkeypatch.setitem(sys.modules, "ray.data", fake_data)
-    for result in (map_documents(fn, docs, workers=2), map_documents(fn, docs, use_ray=True)):
-        assert [d.manifest_record() for d in result] == [d.manifest_record() for d in serial]
-        for got, want in zip(result, serial, strict=True):
-            assert np.array_equal(got.signature, want.signature)
 
 
 # ------------------------------------------------------------------------- loader

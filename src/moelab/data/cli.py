@@ -21,6 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="files of one source; repeat for more sources or more globs of one source, "
         "'!GLOB' excludes (default: stdlib code and /usr/share docs prose)",
     )
+    prepare.add_argument("--sources", choices=["default", "installed"], default=None,
+                         help="a preset instead of --source: 'installed' = every installed "
+                         "Python package's sources + system docs (a corpus to measure scale)")
     prepare.add_argument("--vocab-size", type=int, default=4096)
     prepare.add_argument("--near-dup-threshold", type=float, default=0.8,
                          help="MinHash Jaccard at or above which a document is a near dup")
@@ -29,9 +32,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="shorter documents are dropped as too_short")
     prepare.add_argument("--max-docs", type=int, default=None,
                          help="documents per source at most (a reproducible sample)")
+    prepare.add_argument("--quality", action="append", default=[], metavar="SCORE=MIN:MAX",
+                         help="override a quality threshold, either bound may be empty "
+                         "(word_count=20:, dup_5gram_fraction=:0.3, word_count=: turns it off)")
+    prepare.add_argument("--shard-docs", type=int, default=None,
+                         help="documents per shard (default 32)")
     prepare.add_argument("--workers", type=int, default=None,
-                         help="ingest processes (default: one per CPU)")
-    prepare.add_argument("--ray", action="store_true", help="map documents with Ray Data")
+                         help="local processes (default: one per CPU)")
+    prepare.add_argument("--ray", action="store_true",
+                         help="run the stages with Ray Data on the cluster RAY_ADDRESS names "
+                         "(or a local one); --out must be a path every node sees")
     prepare.set_defaults(func=run_prepare)
 
     stats = commands.add_parser("stats", help="documents per source and filter, tokens")
@@ -50,15 +60,35 @@ def parse_sources(specs: list[str]) -> dict[str, list[str]] | None:
     return sources or None
 
 
+def parse_quality(specs: list[str]) -> dict[str, list[float | None]]:
+    """["word_count=20:", "dup_5gram_fraction=:0.3"] -> {"word_count": [20.0, None], ...}."""
+    thresholds: dict[str, list[float | None]] = {}
+    for spec in specs:
+        name, sep, bounds = spec.partition("=")
+        low, colon, high = bounds.partition(":")
+        try:
+            if not (sep and colon):
+                raise ValueError
+            thresholds[name] = [float(b) if b else None for b in (low, high)]
+        except ValueError:
+            raise UserError(f"--quality expects SCORE=MIN:MAX (a bound may be empty), "
+                            f"got {spec!r}") from None
+    return thresholds
+
+
 def run_prepare(args: argparse.Namespace) -> int:
-    from moelab.data.prepare import prepare
+    from moelab.data.prepare import SOURCE_PRESETS, prepare
 
     if Path(args.out).exists() and not Path(args.out).is_dir():  # before hours of ingest
         raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
-    prepare(args.out, parse_sources(args.source), vocab_size=args.vocab_size,
-            near_dup_threshold=args.near_dup_threshold, val_fraction=args.val_fraction,
-            min_chars=args.min_chars, max_docs_per_source=args.max_docs,
-            workers=args.workers, use_ray=args.ray)
+    sources = parse_sources(args.source)
+    if args.sources and sources:
+        raise UserError("give --sources PRESET or --source NAME=GLOB, not both")
+    prepare(args.out, SOURCE_PRESETS[args.sources] if args.sources else sources,
+            vocab_size=args.vocab_size, near_dup_threshold=args.near_dup_threshold,
+            val_fraction=args.val_fraction, min_chars=args.min_chars,
+            max_docs_per_source=args.max_docs, workers=args.workers, use_ray=args.ray,
+            quality_thresholds=parse_quality(args.quality), shard_docs=args.shard_docs)
     return run_stats(argparse.Namespace(dir=args.out))
 
 

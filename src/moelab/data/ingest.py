@@ -1,13 +1,12 @@
-"""Ingest: find each source's files, then read, decode, normalize and sign every one.
+"""Ingest: find each source's files, then read, decode, normalize, score and sign each.
 
 `process_document` is the per-document work. It is pure (its result depends only on
-its arguments and the file's bytes), so `map_documents` can run it serially, on a local
-process pool, or with Ray Data across machines, and get the same documents back.
+its arguments and the file's bytes), so a shard of documents gives the same bytes
+whichever executor (serial, process pool, Ray) runs it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import glob
 import gzip
@@ -15,19 +14,18 @@ import hashlib
 import os
 import re
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm import tqdm
 
+from moelab.data import quality
 from moelab.data.dedup import signature
 from moelab.data.text import decode, is_man_page, normalize, strip_roff
 from moelab.errors import UserError
 
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")  # names become shard file names
-POOL_MIN_DOCS = 64  # below this, starting worker processes costs more than it saves
+MAX_BYTES_PER_CHAR = 4  # UTF-8: more bytes than 4 x max_chars cannot be max_chars of text
 
 
 @dataclass
@@ -39,22 +37,13 @@ class Document:
     sha256: str = ""  # of the normalized text; of the raw bytes when it is not text
     status: str = "kept"  # "kept" or "dropped"
     reason: str = ""  # why dropped (too_short, near_dup_of:PATH, ...) or a note if kept
+    quality: dict[str, float] = field(default_factory=dict)  # quality.scores(), if scored
     text: str = ""
     signature: np.ndarray | None = None  # MinHash values, for near-duplicate search
-    split: str = ""  # "train" or "val", once kept documents are split
-    tokens: int = 0  # tokens in the shard, EOS included
 
     @property
     def kept(self) -> bool:
         return self.status == "kept"
-
-    def drop(self, reason: str) -> None:
-        """Mark dropped and let go of the text: only the manifest needs this document now."""
-        self.status, self.reason, self.text, self.signature = "dropped", reason, "", None
-
-    def manifest_record(self) -> dict:
-        fields = ("source", "path", "sha256", "status", "reason", "split", "tokens")
-        return {name: getattr(self, name) for name in fields}
 
 
 def source_globs(sources: dict[str, str | list[str]]) -> dict[str, list[str]]:
@@ -108,19 +97,38 @@ def list_documents(
     return docs
 
 
-def read_bytes(path: str) -> bytes:
-    """The file's bytes, gunzipped when it ends in .gz (man pages, changelogs)."""
-    with open(path, "rb") as file:
-        data = file.read()
-    return gzip.decompress(data) if path.endswith(".gz") else data
+def read_bytes(path: str, limit: int | None = None) -> bytes:
+    """The file's bytes, gunzipped when it ends in .gz (man pages, changelogs); at most
+    limit + 1 of them, so that a huge file costs no more memory than the limit."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as file:
+        return file.read() if limit is None else file.read(limit + 1)
+
+
+def _bytes_digest(path: str) -> str:
+    """sha256 of the (gunzipped) bytes, read a megabyte at a time."""
+    digest = hashlib.sha256()
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def process_document(
-    doc: Document, *, min_chars: int, max_chars: int | None = None
+    doc: Document,
+    *,
+    min_chars: int,
+    max_chars: int | None = None,
+    thresholds: Mapping = quality.DEFAULT_THRESHOLDS,
 ) -> Document:
-    """Read, decode, normalize, length-filter and MinHash-sign one document."""
+    """Read, decode, normalize, length-filter, quality-score and MinHash-sign one document.
+    A file of more than MAX_BYTES_PER_CHAR * max_chars bytes is too long whatever its
+    text: it is not read whole (its sha256 is then that of its bytes)."""
+    limit = None if max_chars is None else MAX_BYTES_PER_CHAR * max_chars
     try:
-        data = read_bytes(doc.path)
+        data = read_bytes(doc.path, limit)
+        if limit is not None and len(data) > limit:
+            return Document(doc.source, doc.path, _bytes_digest(doc.path), status="dropped",
+                            reason="too_long")
     except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
         return Document(doc.source, doc.path, status="dropped",
                         reason=f"unreadable:{getattr(err, 'strerror', None) or err}")
@@ -133,45 +141,10 @@ def process_document(
     if len(text) < min_chars or (max_chars is not None and len(text) > max_chars):
         reason = "too_short" if len(text) < min_chars else "too_long"
         return Document(doc.source, doc.path, digest, status="dropped", reason=reason)
-    return Document(doc.source, doc.path, digest, reason=note, text=text,
+    scores = quality.scores(text, quality.is_code(doc.path))
+    failed = quality.failed(scores, thresholds)
+    if failed:
+        return Document(doc.source, doc.path, digest, status="dropped",
+                        reason=f"quality_{failed}", quality=scores)
+    return Document(doc.source, doc.path, digest, reason=note, quality=scores, text=text,
                     signature=signature(text))
-
-
-def map_documents(
-    fn: Callable[[Document], Document],
-    docs: list[Document],
-    workers: int | None = None,
-    use_ray: bool = False,
-) -> list[Document]:
-    """fn over docs, in order: serially, on a spawn-started process pool (fork is unsafe
-    once JAX or tokenizers threads exist in the parent), or with Ray Data."""
-    if use_ray:
-        return _map_ray(fn, docs)
-    workers = workers or os.cpu_count() or 1
-    if workers == 1 or len(docs) < POOL_MIN_DOCS:
-        return [fn(doc) for doc in tqdm(docs, desc="ingest", unit="doc")]
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        results = pool.imap(fn, docs, chunksize=8)
-        return list(tqdm(results, total=len(docs), desc="ingest", unit="doc"))
-
-
-def _ray_row(row: dict, fn: Callable[[Document], Document]) -> dict:
-    return dataclasses.asdict(fn(Document(**row)))
-
-
-def _map_ray(fn: Callable[[Document], Document], docs: list[Document]) -> list[Document]:
-    try:
-        import ray.data
-    except ImportError as err:
-        raise UserError("--ray needs Ray Data installed: pip install 'ray[data]'") from err
-    rows = [{"source": d.source, "path": d.path} for d in docs]
-    out = ray.data.from_items(rows).map(partial(_ray_row, fn=fn)).take_all()
-    order = {(d.source, d.path): i for i, d in enumerate(docs)}  # Ray may reorder blocks
-    results = [Document(**{**row, "signature": _array_or_none(row["signature"])}) for row in out]
-    return sorted(results, key=lambda d: order[d.source, d.path])
-
-
-def _array_or_none(values: object) -> np.ndarray | None:
-    return None if values is None else np.asarray(values, dtype=np.uint32)

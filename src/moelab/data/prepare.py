@@ -1,44 +1,45 @@
 """prepare: files -> documents -> deduplicated splits -> tokenizer -> token shards.
 
-Everything that can fail on the user's input (globs, decoding, filters, tokenizer
-settings) runs in memory first; only then is the output directory touched, meta.json
-last. So a failed or interrupted prepare never leaves a directory that looks complete.
+The work runs as stages over Parquet shards in DIR/.stages (see `stages`), on a local
+process pool or on Ray, each task skipped when its outputs exist: memory does not grow
+with the corpus, and an interrupted prepare resumes where it stopped. Input errors
+(globs, settings) are raised before anything is written; a source left empty by the
+filters is found before the output files are touched. The final files (token streams,
+tokenizer, manifest) are then written, meta.json last, and .stages is removed: a
+directory without meta.json is never a dataset.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import sysconfig
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 
-import numpy as np
 from tokenizers import Tokenizer
 
-from moelab.data.dedup import MAX_THRESHOLD, drop_exact_duplicates, drop_near_duplicates
-from moelab.data.ingest import (
-    Document,
-    list_documents,
-    map_documents,
-    process_document,
-    source_globs,
-)
+from moelab.data import quality, stages
+from moelab.data.dedup import MAX_THRESHOLD, NUM_PERM, SHINGLE_WORDS, lsh_bands
+from moelab.data.executor import Executor, RayExecutor
+from moelab.data.ingest import list_documents, source_globs
 from moelab.data.loader import META_FILE, SPLITS
-from moelab.data.provenance import MANIFEST_FILE, count_documents, manifest_text, reason_kind
-from moelab.data.shards import (
-    pack,
-    remove_stale_temporaries,
-    shard_path,
-    write_array,
-    write_json,
-    write_text,
-)
-from moelab.data.tokenizer import EOS, MIN_VOCAB, TOKENIZER_FILE, train_tokenizer
+from moelab.data.provenance import MANIFEST_DIR, count_documents, read_manifest, reason_kind
+from moelab.data.shards import read_table, shard_path, token_dtype, write_json, write_stream
+from moelab.data.tokenizer import EOS, MIN_VOCAB, TOKENIZER_FILE
 from moelab.errors import UserError
 
+WORK_DIR = ".stages"  # stage outputs, inside the dataset directory: every worker sees it
+PLAN_FILE = "plan.json"
+SHARD_DOCS = 32  # documents per shard: 25 tasks balance two cores on the default 800
+SHARDS_PER_PARTITION = 8  # default partitions: one per 8 shards (files: shards x partitions)
+MAX_PARTITIONS = 64
+TOKENIZER_SAMPLE_CHARS = 64_000_000  # ~64 MB of text: more than the default corpus holds
 _STDLIB = sysconfig.get_paths()["stdlib"]
 # Real text nobody here wrote, on every Debian machine with Python: the standard
 # library's sources (code) and the packages' docs and man pages (English prose).
@@ -49,10 +50,21 @@ DEFAULT_SOURCES: dict[str, list[str]] = {
               "/usr/share/doc/*/changelog*", "/usr/share/doc/*/copyright",
               "/usr/share/man/man[1-8]/*", "!*.html"],
 }
+_SITE = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+# A bigger real corpus to measure scale: every installed Python package's sources, and
+# all system docs, man and info pages plus the packages' own docs (~0.7 GB of files here).
+INSTALLED_SOURCES: dict[str, list[str]] = {
+    "code": [f"{_STDLIB}/**/*.py", *(f"{site}/**/*.py" for site in _SITE)],
+    "prose": ["/usr/share/doc/**/*", "/usr/share/man/**/*", "/usr/share/info/*",
+              *(f"{site}/**/{name}" for site in _SITE
+                for name in ("*.md", "*.rst", "*.txt", "METADATA")), "!*.html"],
+}
+SOURCE_PRESETS = {"default": DEFAULT_SOURCES, "installed": INSTALLED_SOURCES}
 # Caps that keep ensure_default_corpus near 15 s on two cores (`moelab train` with no
 # arguments calls it): about 2.5M tokens, plenty for the small models of the lab.
 DEFAULT_MAX_DOCS = 400
 DEFAULT_MAX_CHARS = 100_000  # a few multi-megabyte changelogs would dominate the prose
+
 
 
 def prepare(
@@ -66,38 +78,132 @@ def prepare(
     workers: int | None = None,
     use_ray: bool = False,
     max_chars: int | None = None,
+    quality_thresholds: Mapping | None = None,
+    shard_docs: int | None = None,
+    partitions: int | None = None,
+    tokenizer_sample_chars: int = TOKENIZER_SAMPLE_CHARS,
+    seed: int = 0,
 ) -> dict:
     """Build a dataset in out_dir and return meta.json's contents plus "seconds" per phase.
 
     sources: {name: glob or globs, '!glob' excluding}; None = the default corpus.
     Documents outside [min_chars, max_chars] after normalization are dropped, as are
-    those with MinHash Jaccard >= near_dup_threshold to an earlier one; about
-    val_fraction of each source's documents are held out; workers / use_ray choose
-    how documents are mapped (None = one process per CPU).
+    those failing a quality threshold ({score: [min, max]} over quality's defaults) and
+    those in a near-duplicate cluster (MinHash Jaccard >= near_dup_threshold) behind its
+    first document; about val_fraction of each source's documents are held out. workers /
+    use_ray choose the executor (None = one process per CPU); shard_docs (None = 32) and
+    partitions (None = one per 8 shards, at most 64) size the tasks; the tokenizer trains on at most
+    tokenizer_sample_chars of train text, sampled with seed. The output bytes depend on
+    neither the executor nor the number of workers.
     """
     _check_settings(vocab_size, near_dup_threshold, val_fraction, min_chars)
+    thresholds = quality.check_thresholds(quality_thresholds or {})
+    shard_docs = SHARD_DOCS if shard_docs is None else shard_docs
+    if shard_docs < 1 or (partitions is not None and partitions < 1):
+        raise UserError("shard_docs and partitions must be >= 1")
     globs = source_globs(DEFAULT_SOURCES if sources is None else sources)
     seconds: dict[str, float] = {}
-    with _timed(seconds, "ingest"):
-        process = partial(process_document, min_chars=min_chars, max_chars=max_chars)
-        docs = map_documents(process, list_documents(globs, max_docs_per_source),
-                             workers, use_ray)
-    with _timed(seconds, "dedup"):
-        drop_exact_duplicates(docs)
-        drop_near_duplicates(docs, near_dup_threshold)
-    _require_kept(docs, list(globs))
-    assign_splits(docs, val_fraction)
-    with _timed(seconds, "train_tokenizer"):
-        tokenizer = train_tokenizer((d.text for d in docs if d.split == "train"), vocab_size)
-    with _timed(seconds, "tokenize"):
-        streams = _pack_streams(tokenizer, docs, list(globs))
+    with _timed(seconds, "list"):
+        docs = list_documents(globs, max_docs_per_source)
+    bands, rows = lsh_bands(near_dup_threshold)
+    n_shards = -(-len(docs) // shard_docs)
+    plan = stages.Plan(
+        work=str(Path(out_dir) / WORK_DIR), n_docs=len(docs), shard_docs=shard_docs,
+        partitions=partitions or min(-(-n_shards // SHARDS_PER_PARTITION), MAX_PARTITIONS),
+        min_chars=min_chars,
+        max_chars=max_chars, thresholds=thresholds, near_dup_threshold=near_dup_threshold,
+        bands=bands, rows=rows, vocab_size=vocab_size,
+        tokenizer_sample_chars=tokenizer_sample_chars, seed=seed)
     settings = dict(sources=globs, vocab_size=vocab_size, near_dup_threshold=near_dup_threshold,
                     val_fraction=val_fraction, min_chars=min_chars, max_chars=max_chars,
-                    max_docs_per_source=max_docs_per_source)
-    meta = _meta(tokenizer, streams, docs, settings)
+                    max_docs_per_source=max_docs_per_source, quality_thresholds=thresholds,
+                    minhash=dict(num_perm=NUM_PERM, shingle_words=SHINGLE_WORDS, bands=bands,
+                                 rows=rows),
+                    tokenizer_sample_chars=tokenizer_sample_chars, seed=seed)
+    listing = hashlib.sha256("\n".join(f"{d.source}\t{d.path}" for d in docs).encode())
+    created = not Path(out_dir).exists()
+    _start_work(plan, stages.plan_fingerprint(plan, settings, listing.hexdigest()))
+    stages.write_list(plan, docs)
+    del docs  # from here on the documents live in the list shards
+    try:
+        with RayExecutor() if use_ray else Executor(workers) as executor:
+            _run_stages(plan, executor, val_fraction, seconds)
+    except UserError:  # bad input, not an interruption: leave nothing behind
+        shutil.rmtree(out_dir if created else plan.work, ignore_errors=True)
+        raise
     with _timed(seconds, "write"):
-        write_dataset(Path(out_dir), tokenizer, streams, docs, meta)
+        meta = write_dataset(Path(out_dir), plan, settings)
     return {**meta, "seconds": seconds}
+
+
+def _start_work(plan: stages.Plan, fingerprint: str) -> None:
+    """Keep the stage outputs of an interrupted run with the same inputs, else start over."""
+    work = Path(plan.work)
+    for stale in [*work.parent.glob(".*.tmp"), *work.rglob(".*.tmp")]:
+        stale.unlink()  # half-written by a killed run (a clean failure removes its own)
+    plan_file = work / PLAN_FILE
+    if plan_file.is_file() and json.loads(plan_file.read_text()).get("fingerprint") != fingerprint:
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    write_json(plan_file, {"fingerprint": fingerprint})
+
+
+def _run_stages(plan: stages.Plan, executor: Executor, val_fraction: float,
+                seconds: dict[str, float]) -> None:
+    with _timed(seconds, "ingest"):
+        executor.map(stages.tasks(plan, "ingest"), "ingest")
+    with _timed(seconds, "dedup"):
+        executor.map(stages.tasks(plan, "exact"), "exact dedup")
+        stages.merge_exact(plan)
+        executor.map(stages.tasks(plan, "band"), "minhash bands")
+        executor.map(stages.tasks(plan, "pair"), "candidate pairs")
+        stages.cluster(plan)
+        executor.map(stages.tasks(plan, "decide"), "decide")
+    counts = stages.split_counts(plan, val_fraction)
+    _require_kept(plan, counts)
+    with _timed(seconds, "train_tokenizer"):
+        stages.train_on_sample(plan, counts, val_fraction)
+    with _timed(seconds, "tokenize"):
+        executor.map(stages.tasks(plan, "tokenize", counts=counts, val_fraction=val_fraction),
+                     "tokenize")
+
+
+def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
+    """Token streams, tokenizer and manifest into out, meta.json last; then drop .stages."""
+    work = Path(plan.work)
+    tokenizer = Tokenizer.from_file(str(work / TOKENIZER_FILE))
+    (out / META_FILE).unlink(missing_ok=True)  # incomplete until the new meta lands
+    sources = list(settings["sources"])
+    totals: Counter = Counter()
+    for shard in range(plan.shards):
+        table = read_table(plan.shard_file("manifest", shard), ["source", "split", "tokens"])
+        for source, split, tokens in zip(*(table[c].to_pylist() for c in table.column_names),
+                                         strict=True):
+            totals[source, split] += tokens
+    dtype = token_dtype(tokenizer.get_vocab_size())
+    for source in sources:
+        for split in SPLITS:
+            write_stream(shard_path(out, source, split),
+                         stages.stream_pieces(plan, source, split, tokenizer.get_vocab_size()),
+                         totals[source, split], dtype)
+    os.replace(work / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    shutil.rmtree(out / MANIFEST_DIR, ignore_errors=True)
+    os.replace(work / MANIFEST_DIR, out / MANIFEST_DIR)
+    counts = count_documents(read_manifest(out))
+    meta = {
+        "format": 2,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "eos_id": tokenizer.token_to_id(EOS),
+        "eos_token": EOS,
+        "dtype": str(dtype),
+        "sources": sources,
+        **{f"{split}_tokens": {s: totals[s, split] for s in sources} for split in SPLITS},
+        "documents": {s: dict(counts[s]) for s in sources},
+        "settings": settings,
+    }
+    write_json(out / META_FILE, meta)
+    shutil.rmtree(work)
+    return meta
 
 
 def ensure_default_corpus(path: str | Path) -> Path:
@@ -107,37 +213,6 @@ def ensure_default_corpus(path: str | Path) -> Path:
         prepare(path, DEFAULT_SOURCES, max_docs_per_source=DEFAULT_MAX_DOCS,
                 max_chars=DEFAULT_MAX_CHARS)
     return path
-
-
-def assign_splits(docs: list[Document], val_fraction: float) -> None:
-    """Hold out about val_fraction of each source's kept documents, chosen by content
-    hash: reproducible, and a document's split does not change as files are added.
-    A source with two or more documents gets at least one in each split."""
-    for source in dict.fromkeys(d.source for d in docs):
-        ranked = sorted((d for d in docs if d.kept and d.source == source),
-                        key=lambda d: d.sha256)
-        n_val = sum(int(d.sha256[:8], 16) < val_fraction * 16**8 for d in ranked)
-        n_val = min(max(n_val, 1), len(ranked) - 1)
-        for i, doc in enumerate(ranked):
-            doc.split = "val" if i < n_val else "train"
-
-
-def write_dataset(
-    out: Path,
-    tokenizer: Tokenizer,
-    streams: dict[tuple[str, str], np.ndarray],
-    docs: list[Document],
-    meta: dict,
-) -> None:
-    """Write every file under a temporary name, then rename; meta.json goes last."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META_FILE).unlink(missing_ok=True)  # incomplete until the new meta lands
-    remove_stale_temporaries(out)
-    write_text(out / TOKENIZER_FILE, tokenizer.to_str())
-    for (source, split), stream in streams.items():
-        write_array(shard_path(out, source, split), stream)
-    write_text(out / MANIFEST_FILE, manifest_text(docs))
-    write_json(out / META_FILE, meta)
 
 
 def _check_settings(vocab_size: int, threshold: float, val_fraction: float,
@@ -152,46 +227,22 @@ def _check_settings(vocab_size: int, threshold: float, val_fraction: float,
         raise UserError(f"min chars {min_chars} must be >= 1")
 
 
-def _require_kept(docs: list[Document], sources: list[str]) -> None:
+def _require_kept(plan: stages.Plan, counts: dict[str, dict]) -> None:
     """A source whose every document was filtered out cannot be trained on: say why."""
-    for source in sources:
-        mine = [d for d in docs if d.source == source]
-        if not any(d.kept for d in mine):
-            reasons = Counter(reason_kind(d.reason) for d in mine)
-            raise UserError(
-                f"source {source!r}: none of its {len(mine)} files survived filtering "
-                f"({dict(reasons)}); add files, or lower --min-chars / raise "
-                "--near-dup-threshold"
-            )
-
-
-def _pack_streams(
-    tokenizer: Tokenizer, docs: list[Document], sources: list[str]
-) -> dict[tuple[str, str], np.ndarray]:
-    eos_id = tokenizer.token_to_id(EOS)
-    streams = {}
-    for source in sources:
-        for split in SPLITS:
-            mine = [d for d in docs if d.source == source and d.split == split]
-            streams[source, split] = pack(tokenizer, mine, eos_id, f"tokenize {source}/{split}")
-    return streams
-
-
-def _meta(tokenizer: Tokenizer, streams: dict[tuple[str, str], np.ndarray],
-          docs: list[Document], settings: dict) -> dict:
-    sources = list(settings["sources"])
-    counts = count_documents(d.manifest_record() for d in docs)
-    return {
-        "format": 1,
-        "vocab_size": tokenizer.get_vocab_size(),
-        "eos_id": tokenizer.token_to_id(EOS),
-        "eos_token": EOS,
-        "dtype": str(streams[sources[0], "train"].dtype),
-        "sources": sources,
-        **{f"{split}_tokens": {s: len(streams[s, split]) for s in sources} for split in SPLITS},
-        "documents": {s: dict(counts[s]) for s in sources},
-        "settings": settings,
-    }
+    for source, count in counts.items():
+        if count["kept"]:
+            continue
+        reasons: Counter = Counter()
+        for shard in range(plan.shards):
+            table = read_table(plan.shard_file("decided", shard), ["source", "reason"])
+            reasons.update(reason_kind(r) for s, r in zip(
+                table["source"].to_pylist(), table["reason"].to_pylist(), strict=True)
+                if s == source)
+        raise UserError(
+            f"source {source!r}: none of its {reasons.total()} files survived filtering "
+            f"({dict(reasons)}); add files, or lower --min-chars / raise "
+            "--near-dup-threshold"
+        )
 
 
 @contextmanager

@@ -1,35 +1,50 @@
-"""Provenance: manifest.jsonl, one record per input document, and the stats table.
+"""Provenance: the manifest, one record per input document, sharded; and the stats table.
 
 A record says where a document came from (source, path, sha256), whether it was kept,
-why not (too_short, binary, exact_dup_of:PATH, near_dup_of:PATH, ...), which split it
-went to and how many tokens it became, so any shard token can be traced to a file.
+why not (too_short, binary, quality_<score>, exact_dup_of:PATH, near_dup_of:PATH where
+PATH is the kept representative of its duplicate cluster), its quality scores, which
+split it went to and how many tokens it became, so any shard token can be traced to a
+file. The manifest is Parquet shards under manifest/, one per input shard, in canonical
+document order; readers stream them one shard at a time.
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import pyarrow as pa
+
+from moelab.data.quality import SCORES
+from moelab.data.shards import read_table
 from moelab.errors import UserError
 
-if TYPE_CHECKING:
-    from moelab.data.ingest import Document
+MANIFEST_DIR = "manifest"
+QUALITY_TYPE = pa.struct([(name, pa.float64()) for name in SCORES])
+MANIFEST_SCHEMA = pa.schema([
+    ("doc_id", pa.int64()), ("source", pa.string()), ("path", pa.string()),
+    ("sha256", pa.string()), ("status", pa.string()), ("reason", pa.string()),
+    ("split", pa.string()), ("tokens", pa.int64()), ("quality", QUALITY_TYPE),
+])
 
-MANIFEST_FILE = "manifest.jsonl"
+
+def manifest_shards(data_dir: str | Path) -> list[Path]:
+    return sorted((Path(data_dir) / MANIFEST_DIR).glob("part-*.parquet"))
 
 
-def manifest_text(docs: Iterable[Document]) -> str:
-    return "".join(json.dumps(doc.manifest_record()) + "\n" for doc in docs)
-
-
-def read_manifest(data_dir: str | Path) -> list[dict]:
-    path = Path(data_dir) / MANIFEST_FILE
-    if not path.is_file():
-        raise UserError(f"{path} is missing; run `moelab data prepare --out {data_dir}`")
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def read_manifest(data_dir: str | Path) -> Iterator[dict]:
+    """Every record, in canonical order, one shard in memory at a time; quality holds
+    only the scores computed for the document."""
+    shards = manifest_shards(data_dir)
+    if not shards:
+        raise UserError(f"{Path(data_dir) / MANIFEST_DIR} is missing; run "
+                        f"`moelab data prepare --out {data_dir}`")
+    for shard in shards:
+        for record in read_table(shard).to_pylist():
+            record["quality"] = {k: v for k, v in (record["quality"] or {}).items()
+                                 if v is not None}
+            yield record
 
 
 def reason_kind(reason: str) -> str:
@@ -51,7 +66,7 @@ def count_documents(records: Iterable[dict]) -> dict[str, Counter]:
     return counts
 
 
-def stats_table(records: Sequence[dict], meta: dict) -> str:
+def stats_table(records: Iterable[dict], meta: dict) -> str:
     """Rows per source (and a total): document counts per filter and tokens per split."""
     counts = count_documents(records)
     for source, count in counts.items():

@@ -1,8 +1,9 @@
-"""Shards: one packed token stream per (source, split), as a memory-mappable .npy file.
+"""Files: packed token streams (.npy) for the loader, Parquet shards for the stages.
 
 Packing concatenates a split's documents, each followed by EOS, so the loader can cut
 fixed-length windows anywhere without padding. Every file is written under a temporary
-name and renamed into place: a reader sees the old file or the new one, never half.
+name and renamed into place: a reader sees the old file or the new one, never half, and
+a stage output that exists is complete.
 """
 
 from __future__ import annotations
@@ -10,19 +11,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import numpy as np
-from tqdm import tqdm
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-
-    from moelab.data.ingest import Document
-
-ENCODE_CHUNK = 64  # documents per encode_batch call: a progress tick, bounded memory
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 
 def shard_path(data_dir: str | Path, source: str, split: str) -> Path:
@@ -34,19 +29,28 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def pack(
-    tokenizer: Tokenizer, docs: Sequence[Document], eos_id: int, desc: str
-) -> np.ndarray:
-    """Encode docs and concatenate them, EOS after each; sets doc.tokens (EOS counted)."""
-    pieces = []
-    for start in tqdm(range(0, len(docs), ENCODE_CHUNK), desc=desc, unit="chunk"):
-        chunk = docs[start : start + ENCODE_CHUNK]
-        encodings = tokenizer.encode_batch_fast([d.text for d in chunk])
-        for doc, encoding in zip(chunk, encodings, strict=True):
-            pieces.append(np.array([*encoding.ids, eos_id], dtype=np.int64))
-            doc.tokens = len(pieces[-1])
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
-    return stream.astype(token_dtype(tokenizer.get_vocab_size()))
+def write_stream(path: Path, pieces: Iterable[np.ndarray], total: int, dtype: np.dtype) -> None:
+    """A .npy file of `total` tokens filled piece by piece through a memory map of a
+    temporary file, renamed into place when whole: memory holds one piece at a time."""
+    if total == 0:  # a zero-length file cannot be memory-mapped
+        atomic_write(path, lambda file: np.save(file, np.zeros(0, dtype)))
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        stream = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(total,))
+        filled = 0
+        for piece in pieces:
+            stream[filled : filled + len(piece)] = piece
+            filled += len(piece)
+        if filled != total:
+            raise RuntimeError(f"{path}: {filled} tokens written, {total} expected")
+        stream.flush()
+        del stream
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -61,17 +65,14 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
-def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Delete the temporary files (`.NAME.XXXX.tmp`) of `atomic_write`s that a SIGKILL cut
-    short: nothing reads them, and they would pile up with every interrupted prepare."""
-    stale = sorted(directory.rglob(".*.tmp"))
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return stale
+def write_table(path: Path, table: pa.Table) -> None:
+    """A Parquet file, atomically; directories made as needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda file: pq.write_table(table, file))
 
 
-def write_array(path: Path, array: np.ndarray) -> None:
-    atomic_write(path, lambda file: np.save(file, array))
+def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
+    return pq.read_table(path, columns=columns)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -1,0 +1,86 @@
+"""Executors: run one stage's shard tasks serially, on a local process pool, or on Ray.
+
+A task reads its input shards from the stage directory and writes its output shards
+there itself; it returns only a small summary (counts). So the data moves through the
+filesystem, never through the driver: on a Ray cluster the dataset directory must be a
+path every node sees (NFS, a cloud bucket mounted with FUSE, ...), and the driver holds
+one summary per shard, not the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from tqdm import tqdm
+
+from moelab.errors import UserError
+
+Task = Callable[[], Any]  # a picklable zero-argument callable (a functools.partial)
+
+
+class Executor:
+    """Local: tasks on `workers` spawn-started processes (fork is unsafe once JAX or
+    tokenizers threads exist in the parent), serially when workers == 1."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers or os.cpu_count() or 1
+        self._pool: Any = None
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+
+    def map(self, tasks: Sequence[Task], desc: str) -> list[Any]:
+        """Every task's result, in task order."""
+        if self.workers == 1 or len(tasks) <= 1:
+            return [task() for task in tqdm(tasks, desc=desc, unit="shard")]
+        if self._pool is None:  # started once, on first need, for every stage
+            self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
+        results = self._pool.imap(_call, tasks, chunksize=1)
+        return list(tqdm(results, total=len(tasks), desc=desc, unit="shard"))
+
+
+class RayExecutor(Executor):
+    """Ray Data: one row per task, mapped on the cluster `ray.init()` connects to
+    (RAY_ADDRESS, or a local runtime when unset); results stream back with iter_rows."""
+
+    def __init__(self) -> None:
+        super().__init__(workers=1)
+        try:
+            import ray
+            import ray.data  # noqa: F401  (the extra `ray[data]` brings it)
+        except ImportError as err:
+            raise UserError("--ray needs Ray Data installed: pip install 'moelab[ray]'") from err
+        if not ray.is_initialized():
+            ray.init()
+
+    def map(self, tasks: Sequence[Task], desc: str) -> list[Any]:
+        import ray.data
+
+        if not tasks:
+            return []
+        rows = ray.data.from_items([{"index": i} for i in range(len(tasks))],
+                                   override_num_blocks=len(tasks))
+        results: list[Any] = [None] * len(tasks)
+        for row in tqdm(rows.map(partial(_ray_row, tasks=list(tasks))).iter_rows(),
+                        total=len(tasks), desc=desc, unit="shard"):
+            results[row["index"]] = json.loads(row["result"])
+        return results
+
+
+def _call(task: Task) -> Any:
+    return task()
+
+
+def _ray_row(row: dict, tasks: list[Task]) -> dict:
+    # JSON, so that summaries of any shape pass through Ray's Arrow blocks unchanged
+    return {"index": row["index"], "result": json.dumps(tasks[row["index"]]())}
