@@ -248,7 +248,8 @@ class Checkpointer:
         """Report a damaged checkpoint; the trainer also moves it aside (never deletes it)."""
         where = ""
         if self.writer:
-            aside = self.run_dir / QUARANTINE_DIR / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+            stamp = f"{time.strftime('%Y%m%dT%H%M%S')}.{time.time_ns() % 10**9:09d}"
+            aside = self.run_dir / QUARANTINE_DIR / f"{step}-{stamp}"  # unique: never overwrite
             aside.parent.mkdir(exist_ok=True)
             os.replace(self.directory / str(step), aside)
             self.manager.reload()
