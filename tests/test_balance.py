@@ -108,28 +108,28 @@ def test_optimizer_never_holds_nor_decays_the_bias():
 @pytest.mark.parametrize("balance", ["bias_sign", "bias_quantile"])
 def test_train_step_moves_each_layers_bias_by_its_own_loads(balance):
     model, _, parts = run_steps(balance, 1, bias_rate=0.01, quantile_rate=0.1)
-    layers = moe_layers(model)
-    assert len(layers) == 2 and parts["tokens_per_expert"].shape == (2, 4)
-    for i, layer in enumerate(layers):
+    biases = model.moe_layers.ffn.bias  # the 2 MoE layers, stacked: [2, E]
+    assert biases.shape == (2, 4) and parts["tokens_per_expert"].shape == (2, 4)
+    for i, bias in enumerate(biases):
         if balance == "bias_sign":
             want = sign_rule(jnp.zeros(4), parts["tokens_per_expert"][i], 0.01)
         else:
             want = 0.1 * parts["quantile_bias"][i]  # quantile_rate 0.1, from a zero bias
-        np.testing.assert_array_equal(layer.bias, want)
-        assert float(jnp.ptp(layer.bias)) > 0
-    np.testing.assert_allclose(parts["bias_range"], [float(jnp.ptp(b.bias)) for b in layers])
+        np.testing.assert_array_equal(bias, want)
+        assert float(jnp.ptp(bias)) > 0
+    np.testing.assert_allclose(parts["bias_range"], [float(jnp.ptp(b)) for b in biases])
     assert parts["router_entropy"].shape == (2,)
 
 
 def test_update_bias_reads_stacked_layers_in_order():
-    """A layer axis on the bias (layers stacked for scan) takes that many stats rows."""
+    """A layer axis on the bias (layers stacked for scan) takes that many stats rows, in
+    layer order."""
     model, cfg = tiny_biased("bias_sign", bias_rate=1.0)
-    stacked = eqx.tree_at(lambda m: m.blocks[1].ffn.bias, model, jnp.zeros((2, 4)))
-    load = jnp.array([[1.0, 2, 3, 4], [4, 3, 2, 1], [1, 1, 1, 5]])  # 3 rows: 2 stacked + 1
-    new = update_bias(stacked, {"tokens_per_expert": load}, cfg.moe)
-    np.testing.assert_array_equal(new.blocks[1].ffn.bias, sign_rule(jnp.zeros((2, 4)),
-                                                                     load[:2], 1.0))
-    np.testing.assert_array_equal(new.blocks[2].ffn.bias, sign_rule(jnp.zeros(4), load[2], 1.0))
+    load = jnp.array([[1.0, 2, 3, 4], [4, 3, 2, 1]])  # one row per stacked MoE layer
+    new = update_bias(model, {"tokens_per_expert": load}, cfg.moe)
+    np.testing.assert_array_equal(new.moe_layers.ffn.bias, sign_rule(jnp.zeros((2, 4)),
+                                                                      load, 1.0))
+    assert float(new.moe_layers.ffn.bias[0, 0]) > 0 > float(new.moe_layers.ffn.bias[1, 0])
 
 
 def test_bias_quantile_needs_a_next_choice():
@@ -157,10 +157,11 @@ def test_resume_restores_the_bias_bitwise(tmp_path, small_corpus):
     again.run()
     for a, b in zip(moe_layers(clean.model), moe_layers(again.model), strict=True):
         np.testing.assert_array_equal(a.bias, b.bias)
-        assert float(jnp.ptp(a.bias)) > 0
     rows = [json.loads(line) for line in
             (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     clean_rows = [json.loads(line) for line in
                   (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows] == [r["loss"] for r in clean_rows]
-    assert rows[-1]["bias_range/layer_1"] > 0 and "router_entropy/layer_0" in rows[-1]
+    # The sign rule can swing a bias back to 0 (+rate, then -rate), so ask that it moved at
+    # some step, not at the last one.
+    assert max(r["bias_range/layer_1"] for r in rows) > 0 and "router_entropy/layer_0" in rows[-1]
