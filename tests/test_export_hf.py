@@ -28,17 +28,32 @@ def load_hf(path):
     return hf.eval()
 
 
+def logit_error(model, hf) -> tuple[np.ndarray, float]:
+    """Our logits on 37 random tokens and the max abs difference to transformers'."""
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (1, 37), 0, TINY.vocab_size))
+    ours = np.asarray(logits_of(model, jnp.asarray(tokens)))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens)).logits.numpy()
+    return ours, float(np.max(np.abs(ours - theirs)))
+
+
+def greedy_both(model, hf) -> tuple[list[int], list[int]]:
+    """32 greedy tokens after the same prompt: ours, then transformers'."""
+    prompt = [5, 17, 42, 3, 88]
+    ours = generate(model, prompt, max_new_tokens=32)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32,
+                          min_new_tokens=32)
+    return ours, out[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_logits_match_transformers(tmp_path, tie):
     model, cfg = tiny(tie)
     hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
     assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == tie
-    tokens = np.asarray(jax.random.randint(jax.random.key(2), (1, 37), 0, TINY.vocab_size))
-    ours = np.asarray(logits_of(model, jnp.asarray(tokens)))
-    with torch.no_grad():
-        theirs = hf(torch.tensor(tokens)).logits.numpy()
-    err = float(np.max(np.abs(ours - theirs)))
+    ours, err = logit_error(model, hf)
     print(f"max |logit error| ({'tied' if tie else 'untied'}): {err:.2e}")
     assert np.std(ours) > 0.5  # logits are far from zero: the bound below means something
     assert err < 1e-4
@@ -47,13 +62,8 @@ def test_logits_match_transformers(tmp_path, tie):
 def test_greedy_generation_matches_transformers(tmp_path):
     model, cfg = tiny()
     hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
-    prompt = [5, 17, 42, 3, 88]
-    ours = generate(model, prompt, max_new_tokens=32)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32,
-                          min_new_tokens=32)
-    assert len(ours) == 32
-    assert ours == out[0, len(prompt):].tolist()
+    ours, theirs = greedy_both(model, hf)
+    assert len(ours) == 32 and ours == theirs
 
 
 def test_tokenizer_loads_offline_with_autotokenizer(tmp_path):
@@ -91,11 +101,7 @@ def test_sigmoid_shared_bias_model_exports_to_glm4moe(tmp_path):
     model, cfg = glm_model()
     hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
     assert type(hf).__name__ == "Glm4MoeForCausalLM"
-    tokens = np.asarray(jax.random.randint(jax.random.key(2), (1, 37), 0, TINY.vocab_size))
-    ours = np.asarray(logits_of(model, jnp.asarray(tokens)))
-    with torch.no_grad():
-        theirs = hf(torch.tensor(tokens)).logits.numpy()
-    err = float(np.max(np.abs(ours - theirs)))
+    ours, err = logit_error(model, hf)
     print(f"max |logit error| (Glm4Moe): {err:.2e}")
     assert np.std(ours) > 0.5 and err < 1e-4
     # the bias matters: without it some token picks other experts
@@ -105,9 +111,5 @@ def test_sigmoid_shared_bias_model_exports_to_glm4moe(tmp_path):
     with_bias, _ = route(logits, cfg.moe, layer.bias)
     without, _ = route(logits, cfg.moe)
     assert bool(jnp.any(jnp.sort(with_bias.experts) != jnp.sort(without.experts)))
-    prompt = [5, 17, 42, 3, 88]
-    greedy = generate(model, prompt, max_new_tokens=32)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32,
-                          min_new_tokens=32)
-    assert greedy == out[0, len(prompt):].tolist()
+    ours, theirs = greedy_both(model, hf)
+    assert len(ours) == 32 and ours == theirs
