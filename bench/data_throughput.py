@@ -305,6 +305,7 @@ def main() -> None:
     parser.add_argument("--baseline-src", default=None,
                         help="another checkout's src/ to time the default corpus against")
     parser.add_argument("--repeats", type=int, default=2, help="default-corpus timings each")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON to write")
     parser.add_argument("--no-ray", action="store_true")
     parser.add_argument("--no-datatrove", action="store_true")
     args = parser.parse_args()
@@ -326,8 +327,8 @@ def main() -> None:
             result["datatrove"] = versus_datatrove(tmp, args)
     result["load_average_at_end"] = os.getloadavg()
     result["peak_rss_mb_bench_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(result, indent=1) + "\n")
     scale = result["scale"]
     print(f"RSS ratio {args.scales[-1]}x/{args.scales[0]}x: largest process "
           f"{scale['rss_ratio_largest_process']}, driver + workers "
