@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -61,9 +62,15 @@ def build_model(cfg: Config, mesh):
     return model
 
 
+# model -> {"val_loss/<source>": loss}: replaces the sampled validation (the ladder's
+# whole-val-split score, so every run's curve is measured on the same text)
+Evaluator = Callable[[object], dict[str, float]]
+
+
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, experiment: str | None = None):
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, cfg: Config, run_dir: Path, experiment: str | None = None,
+                 evaluator: Evaluator | None = None):
+        self.cfg, self.run_dir, self.evaluator = cfg, run_dir, evaluator
         run_dir.mkdir(parents=True, exist_ok=True)
         data_dir = prepared_data(cfg)
         d = cfg.data
@@ -109,6 +116,8 @@ class Trainer:
         self.ckpt.save(self.step, self.model, self.opt_state, state)
 
     def evaluate(self) -> dict[str, float]:
+        if self.evaluator is not None:
+            return self.evaluator(self.model)
         out = {}
         for source, loader in self.val.items():
             losses = [float(self.eval_step(self.model, self._on_mesh(loader.batch(i))))
@@ -182,9 +191,10 @@ class Trainer:
               f"eta={eta:.0f}s {vals}".rstrip(), flush=True)
 
 
-def train(cfg: Config, run_dir: str | Path, experiment: str | None = None) -> dict:
+def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
+          evaluator: Evaluator | None = None) -> dict:
     """Train (or resume) the run in `run_dir`; returns the last step's metrics."""
     try:
-        return Trainer(cfg, Path(run_dir), experiment).run()
+        return Trainer(cfg, Path(run_dir), experiment, evaluator).run()
     except FileNotFoundError as err:
         raise UserError(str(err)) from err
