@@ -172,6 +172,7 @@ def test_a_cooldown_branch_is_the_shorter_run(tmp_path, small_corpus):
     raw["rungs"] = [{"name": "a", "model": {"d_model": 16, "d_ff": 16},
                      "train": {"steps": 30}, "branches": [20]},
                     *raw["rungs"][1:]]
+    del raw["lr_check"]
     spec = spec_from_dict(raw, "eq", tmp_path / "ladder")
     trunk, branch = spec.rungs[0], spec.rungs[1]
     assert (branch.name, branch.branch_step) == ("a-b20-s0", 16)
