@@ -142,6 +142,9 @@ def test_tiny_ladder_end_to_end(moelab, tmp_path, small_corpus, monkeypatch):
 
     code, _, err = moelab("report", str(spec_path))
     assert code == 0, err
+    code, text, err = moelab("fit", str(spec_path))  # refits, writes nothing
+    assert code == 0, err
+    assert "chinchilla: skipped" in text and "pre-registered law: compute" in text
 
     # a changed target does not silently reuse the old prediction
     changed = ladder_spec(small_corpus)
