@@ -6,8 +6,8 @@ Trains the tiny preset four ways (a run directory that already holds a finished 
 reused): `aux_loss` (the preset as it ships: softmax router, aux weight 0.01),
 `bias_sign` (rate 0.01: 300 steps is short), `bias_quantile` (quantile_rate 0.1) and
 `bias_quantile_hard` (rate 1, Marin's rule): sigmoid router, no aux loss, selection bias
-moved after every step. Then, on 20 training batches the runs never saw (indices past the last step),
-the final model's expert loads per layer: max/mean per batch (what a capacity dispatch
+moved after every step. Then, on 20 training batches the runs never saw (indices past the
+last step), the final model's expert loads per layer: max/mean per batch (what a capacity dispatch
 feels) and of the 20 batches summed (what the bias can fix; the rest is sequences of
 one batch sharing experts). Writes bench/results/balance_tiny.json.
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import yaml
 from conftest import tiny_config
@@ -11,22 +12,28 @@ from conftest import tiny_config
 from moelab import cli
 from moelab.lab.store import Store
 from moelab.ladder import prereg
+from moelab.ladder.evaluate import make_evaluator, row_losses_fn, windows
+from moelab.ladder.runner import ensure_trained, result
+from moelab.ladder.spec import spec_from_dict
 from moelab.train import trainer
+from moelab.train.checkpoint import load_latest
+from moelab.train.step import make_eval_step
 
 
 def ladder_spec(data_path) -> dict:
-    """Rungs that grow in width and tokens together; the target has 8.6x the top rung's
-    compute. One layer each and the target as wide as r3 (its init is then compiled
-    already), since compiling is most of a tiny run's time."""
+    """Three widths, seed replicates (r2 has one seed), a cooldown branch of r3 and an lr
+    probe of r1; the target has 8.6x r3's compute. One layer each and the target as wide
+    as r3 (its step is then compiled already): compiling is most of a tiny run's time."""
     base = tiny_config(data_path, model={"n_layers": 1}, optim={"lr": 1e-2, "warmup_steps": 5},
-                       train={"log_every": 1000, "eval_every": 1000, "eval_batches": 4,
-                              "checkpoint_every": 1000})
+                       train={"log_every": 1000, "eval_batches": 1, "checkpoint_every": 1000})
     rung = lambda name, d, steps: {"name": name, "model": {"d_model": d, "d_ff": d},
                                    "train": {"steps": steps}}
-    return {"base": base,
-            "rungs": [rung("r1", 16, 30), rung("r2", 24, 45), rung("r3", 32, 70)],
-            "target": rung("big", 32, 600),
-            "fit": {"bootstrap": 50}}
+    return {"base": base, "seeds": [0, 1], "evals": 4,
+            "rungs": [rung("r1", 16, 40), {**rung("r2", 24, 40), "seeds": [0]},
+                      {**rung("r3", 32, 60), "branches": [50]}],
+            "target": rung("big", 32, 520),
+            "lr_check": {"rungs": ["r1"], "factors": [2.0]},
+            "fit": {"bootstrap": 20, "law": "compute"}}
 
 
 @pytest.fixture
@@ -54,36 +61,67 @@ def test_tiny_ladder_end_to_end(moelab, tmp_path, small_corpus, monkeypatch):
 
     trained, train = [], trainer.train
 
-    def spy(cfg, run_dir, experiment=None):  # what trains, and was it pre-registered by then
+    def spy(cfg, run_dir, experiment=None, evaluator=None):  # what trains, pre-registered?
         trained.append((run_dir.name, registration.exists()))
-        return train(cfg, run_dir, experiment)
+        return train(cfg, run_dir, experiment, evaluator)
 
     monkeypatch.setattr(trainer, "train", spy)
 
     code, text, err = moelab("plan", str(spec_path))
     assert code == 0, err
-    assert "big" in text and "r3" in text
+    assert "big" in text and "r3-b50-s1" in text and "r3-s1@40" in text
 
     code, text, err = moelab("run", str(spec_path), "--experiment", exp)
     assert code == 0, err
-    assert trained == [("r1", False), ("r2", False), ("r3", False), ("big", True)]
+    runs = ["r1-s0", "r1-s1", "r2-s0", "r3-s0", "r3-b50-s0", "r3-s1", "r3-b50-s1", "r1-lr2"]
+    assert trained == [*((name, False) for name in runs), ("big", True)]
     assert "pre-registered" in text and "relative error" in text
+
+    # the branch resumed r3-s0 at step 40 (a 50-step WSD run's decay start) and decayed
+    branch = [json.loads(x) for x in (out / "r3-b50-s0" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in branch]
+    assert branch[0]["step"] == 41 and branch[-1]["step"] == 50
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] < 0.25 * lrs[0]  # decaying to 0
+    parent = [json.loads(x) for x in (out / "r3-s0" / "metrics.jsonl").read_text().splitlines()]
+    assert parent[40]["lr"] == pytest.approx(1e-2)  # still in r3's stable phase at step 41
 
     record = prereg.read(registration)
     assert record["created_at"].endswith("Z") and record["code_version"].keys() == {
         "commit", "dirty"}
-    assert [r["name"] for r in record["rungs"]] == ["r1", "r2", "r3"]
-    assert record["target"]["config"]["train"]["steps"] == 600
     # written before the target's trainer started (its config.yaml is the first file it writes)
     assert registration.stat().st_mtime_ns <= (out / "big" / "config.yaml").stat().st_mtime_ns
+    points = {p["point"]: p for p in record["points"]}
+    assert list(points) == ["r1", "r2", "r3", "r3-b50"]
+    finals = {r["name"]: r["final_val_loss"] for r in record["rungs"]}
+    assert points["r1"]["mean"] == pytest.approx((finals["r1-s0"] + finals["r1-s1"]) / 2)
+    noise = record["noise"]
+    assert noise["dof"] == 3 and noise["seed_sd"] > 0  # r1, r3, r3-b50: 2 seeds each
+    assert record["prediction"]["law"] == "compute"
+    assert record["prediction"]["value"] == record["laws"]["compute"]["value"]
+    assert "at least 5" in record["laws"]["chinchilla"]["skipped"]  # 4 points: reported
+    curve = record["laws"]["curve"]["points"]
+    assert [pt["step"] for pt in curve] == [130, 260, 390, 520]  # every 1/evals of the target
+    assert curve[-1]["predicted"] == record["laws"]["curve"]["value"]
+    assert all(pt["low"] <= pt["predicted"] <= pt["high"] for pt in curve)
+    assert record["lr_check"]["r1"]["probes"].keys() == {"0.02"}
+    assert record["stability"]["limit"] == 4.0
 
     report = json.loads((out / "report.json").read_text())
+    assert {"relative_error", "predicted", "actual", "interval", "seed_sd",
+            "curve_median_abs_rel_error", "wall_s"} <= report.keys()
     assert report["predicted"] == record["prediction"]["value"]
-    last = [json.loads(x) for x in (out / "big" / "metrics.jsonl").read_text().splitlines()][-1]
-    by_source = [v for k, v in last.items() if k.startswith("val_loss/")]
-    assert len(by_source) == 2 and min(by_source) <= report["actual"] <= max(by_source)
     assert report["relative_error"] == pytest.approx(
         (report["predicted"] - report["actual"]) / report["actual"])
+    assert len(report["curve"]) == 4 and report["stability"]["check"] is not None
+    # the score is the CE over every window of the val split, as the trainer logged it
+    model, cfg, _ = load_latest(out / "big")
+    full = make_evaluator(cfg)(model)
+    assert report["actual_by_source"] == pytest.approx(
+        {k.split("/")[1]: v for k, v in full.items()}, rel=1e-6)
+    # the ladder's per-window losses average to the trainer's own validation CE
+    batch = windows(small_corpus, "code", 32)[:4]
+    rows = np.asarray(row_losses_fn(cfg)(model, batch))
+    assert rows.mean() == pytest.approx(float(make_eval_step(cfg)(model, batch)), rel=1e-5)
     assert "relative error" in (out / "report.md").read_text()
     assert (out / "fit.png").stat().st_size > 0 and (out / "curves.png").stat().st_size > 0
     with Store(tmp_path / "lab.sqlite") as store:
@@ -96,7 +134,7 @@ def test_tiny_ladder_end_to_end(moelab, tmp_path, small_corpus, monkeypatch):
     stamp = registration.stat().st_mtime_ns
     code, text, err = moelab("run", str(spec_path), "--experiment", exp)
     assert code == 0, err
-    assert len(trained) == 4 and text.count("already trained") == 4
+    assert len(trained) == 9 and text.count("already trained") == 9
     assert {p: p.read_bytes() for p in before} == before
     assert registration.stat().st_mtime_ns == stamp
     with Store(tmp_path / "lab.sqlite") as store:
@@ -104,10 +142,13 @@ def test_tiny_ladder_end_to_end(moelab, tmp_path, small_corpus, monkeypatch):
 
     code, _, err = moelab("report", str(spec_path))
     assert code == 0, err
+    code, text, err = moelab("fit", str(spec_path))  # refits, writes nothing
+    assert code == 0, err
+    assert "chinchilla: skipped" in text and "pre-registered law: compute" in text
 
     # a changed target does not silently reuse the old prediction
     changed = ladder_spec(small_corpus)
-    changed["target"]["train"]["steps"] = 700
+    changed["target"]["train"]["steps"] = 600
     spec_path.write_text(yaml.safe_dump(changed))
     code, _, err = moelab("run", str(spec_path))
     assert code == 2 and "other configs than this spec's" in err and "big" in err
@@ -115,9 +156,33 @@ def test_tiny_ladder_end_to_end(moelab, tmp_path, small_corpus, monkeypatch):
 
 def test_bad_spec_exits_with_a_clear_message(moelab, tmp_path, small_corpus):
     spec = ladder_spec(small_corpus)
-    spec["rungs"][2]["train"]["steps"] = 20  # less compute than r2
+    spec["rungs"][2]["branches"] = [70]  # longer than r3 itself
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(spec))
     code, _, err = moelab("run", str(path))
     assert code == 2
-    assert "rungs[2] (r3)" in err and "strictly rising compute" in err
+    assert "rungs[2] (r3).branches: a 70-step branch" in err
+
+
+@pytest.mark.slow
+def test_a_cooldown_branch_is_the_shorter_run(tmp_path, small_corpus):
+    """A branch resumes its trunk's checkpoint at the step where a run of the branch's
+    length starts decaying: same init, batches and lr up to there, so it must end where a
+    run of that length trained from scratch ends. Both run the same jitted ops on the same
+    inputs; only the compiled schedule constants differ, so f32 results may differ by
+    rounding, which 20 steps of Adam amplify to ~1e-6 relative at most."""
+    raw = ladder_spec(small_corpus)
+    raw["rungs"] = [{"name": "a", "model": {"d_model": 16, "d_ff": 16},
+                     "train": {"steps": 30}, "branches": [20]},
+                    *raw["rungs"][1:]]
+    del raw["lr_check"]
+    spec = spec_from_dict(raw, "eq", tmp_path / "ladder")
+    trunk, branch = spec.rungs[0], spec.rungs[1]
+    assert (branch.name, branch.branch_step) == ("a-b20-s0", 16)
+    ensure_trained(spec, trunk, "trunk")
+    branched = ensure_trained(spec, branch, "branch")
+    scratch = tmp_path / "scratch"
+    trainer.train(branch.config, scratch, None, make_evaluator(branch.config))
+    alone = result(branch, scratch)
+    assert branched.final_val_loss == pytest.approx(alone.final_val_loss, rel=1e-6)
+    assert [e["step"] for e in branched.curve] == [20]  # its own evaluations: after step 16

@@ -39,17 +39,20 @@ def _spec(args: argparse.Namespace):
 
 def _plan(args: argparse.Namespace) -> None:
     spec = _spec(args)
-    print(f"ladder {spec.name} -> {spec.out}")
-    print(f"{'run':<10} {'d_model':>7} {'layers':>6} {'experts':>7} {'active':>10} "
-          f"{'tokens':>11} {'compute':>9} {'x prev':>6}")
-    previous = None
+    print(f"ladder {spec.name} -> {spec.out} ({spec.evals} evaluations per run)")
+    print(f"{'run':<16} {'d_model':>7} {'active':>10} {'tokens':>11} {'compute':>9} "
+          f"{'trains':>9} {'lr':>8}  from")
+    total = 0.0
     for rung in spec.runs():
         s = rung.summary()
-        ratio = f"{s['compute'] / previous:6.1f}" if previous else ""
-        print(f"{s['name']:<10} {s['d_model']:>7} {s['n_layers']:>6} "
-              f"{s['n_experts']:>4}/{s['top_k']:<2} {s['active_params']:>10,} "
-              f"{s['tokens']:>11,} {s['compute']:>9.3g} {ratio}")
-        previous = s["compute"]
+        # a branch trains only its decay: the steps before it are its parent's
+        cost = s["compute"] * (1 - rung.branch_step / s["steps"])
+        total += cost * (rung is not spec.target)
+        start = f"{rung.parent}@{rung.branch_step}" if rung.parent else ""
+        print(f"{s['name']:<16} {s['d_model']:>7} {s['active_params']:>10,} "
+              f"{s['tokens']:>11,} {s['compute']:>9.3g} {cost:>9.3g} {s['lr']:>8.3g}  {start}")
+    print(f"rungs train {total:.3g} FLOPs; the target {spec.target.compute:.3g} "
+          f"({spec.target.compute / max(r.compute for r in spec.rungs):.1f}x the largest rung)")
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -59,18 +62,23 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _fit(args: argparse.Namespace) -> None:
-    from moelab.ladder.runner import finished_rungs, predict
+    from moelab.ladder.predict import forecast
+    from moelab.ladder.runner import finished_rungs
 
     spec = _spec(args)
-    fitted = predict(spec, finished_rungs(spec))
-    fit, p = fitted["fit"], fitted["prediction"]
-    print(f"L(C) = {fit['E']:.4f} + {fit['A_raw']:.4g} * C^-{fit['alpha']:.4f} "
-          f"(rmse {fit['rmse']:.4f}, {fit['n']} rungs)")
-    print(f"target {spec.target.name} at C={spec.target.compute:.3g}: {p['value']:.4f} "
-          f"[{p['low']:.4f}, {p['high']:.4f}] ({p['confidence']:.0%})")
-    secondary = fitted["secondary"]
-    print(f"L(N, D): {secondary['value']:.4f}" if "value" in secondary
-          else f"L(N, D) skipped: {secondary['skipped']}")
+    fitted = forecast(spec, *finished_rungs(spec))
+    noise = fitted["noise"]
+    print(f"seed sd {noise['seed_sd']:.4f} nats ({noise['dof']} dof); per evaluation "
+          f"{noise['eval_sd']:.4f}")
+    for name, law in fitted["laws"].items():
+        if "value" not in law:
+            print(f"{name}: skipped ({law['skipped']})")
+            continue
+        iv, bound = law["interval"], law["fit"].get("at_bound") or []
+        print(f"{name}: target {spec.target.name} {law['value']:.4f} [{iv['low']:.4f}, "
+              f"{iv['high']:.4f}] ({iv['confidence']:.0%})"
+              + (f"; at a bound: {', '.join(bound)}" if bound else ""))
+    print(f"pre-registered law: {fitted['prediction']['law']}")
 
 
 def _report(args: argparse.Namespace) -> None:

@@ -1,16 +1,21 @@
-"""Scaling-law fits: L(C) = E + A * C^-alpha (the prediction) and L(N, D) = E + A/N^a + B/D^b.
+"""Scaling-law fits: L(N, D) (Chinchilla approach 3), L(C) on IsoFLOP minima, and a
+schedule-aware law for whole loss curves; parametric-bootstrap intervals from measured noise.
 
 Raw compute spans many decades (1e11 .. 1e14 FLOPs), so fitting A * C^-alpha directly
-pits an A of 1e3 against an alpha of 0.1 and the solver stalls. Both fits therefore work in
-normalized units, x = C / C0 with C0 the smallest rung's compute (N / N0 and D / D0 for the
-second fit), and fit log A, so every free parameter is O(1). Bounds keep the law meaningful:
-0 <= E < min(L) (the irreducible loss lies below every observed loss) and 0 < alpha <= 2.
+pits an A of 1e3 against an alpha of 0.1 and the solver stalls. Every fit therefore works
+in normalized units (x = C / C0 with C0 the smallest point's, N / N0, D / D0) and fits
+log A, so every free parameter is O(1). Bounds keep the laws meaningful: 0 <= E < min(L)
+(the irreducible loss lies below every observed loss), exponents in (0, 2]. A parameter
+that ends on a bound is *flagged* (`at_bound`): the data did not identify it.
 
-The interval is a *residual* bootstrap: with 4-6 rungs, resampling rungs would often drop
-the ends of the range and refit on 2-3 distinct points, so instead the fitted curve is kept
-and its residuals (inflated by sqrt(n / (n - p)) for the degrees of freedom the fit used)
-are resampled onto it and refitted. With n == p rungs the residuals are zero and so is the
-interval's width; that is reported, not hidden.
+L(N, D) and the curve law are fitted as Chinchilla's approach 3 does: Huber loss (delta
+1e-3) on log L, from a grid of starting points, with untied exponents.
+
+The interval is a *parametric* bootstrap: the seed noise is measured (replicates of each
+point), so each refit draws every point's loss as fitted + N(0, sd / sqrt(replicates)),
+refits, and adds the target's own seed noise N(0, sd) to the refit's prediction. The
+interval then says how far a new ladder + target run could land, not only how well the
+curve fits these points (a residual bootstrap with 5 points and sd 0.1 understated that).
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ ALPHA_MAX = 2.0
 ALPHA_MIN = 1e-3
 LOG_A_BOUND = 30.0
 PINNED = 1e-4  # a parameter within this (relative) distance of a bound is "at the bound"
+HUBER_DELTA = 1e-3  # on log L, as in Chinchilla's approach 3
+C_MAX = 5.0  # the curve law's annealing gain; q <= ~0.2, so 1 - C q stays > 0
+CONDITION_LIMIT = 1e8  # ~ 1/sqrt(float64 eps): a direction the points do not determine
+LEVEL_TOLERANCE = 0.05  # points within 5% of each other's compute share a compute level
 
 Residuals = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray] | str]
 
@@ -46,6 +55,7 @@ class PowerLawFit:
     C0: float
     rmse: float  # of the fit's residuals, in loss units
     n: int
+    at_bound: tuple[str, ...] = ()  # "E" when the irreducible loss sits at its bound 0
 
     def predict(self, compute: float | np.ndarray) -> float | np.ndarray:
         return self.E + self.A * (np.asarray(compute, float) / self.C0) ** -self.alpha
@@ -56,13 +66,13 @@ class PowerLawFit:
         return self.A * self.C0**self.alpha
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "A_raw": self.A_raw,
+        return {**asdict(self), "A_raw": self.A_raw, "at_bound": list(self.at_bound),
                 "formula": "L(C) = E + A * (C / C0)^-alpha = E + A_raw * C^-alpha"}
 
 
 @dataclass(frozen=True)
 class ChinchillaFit:
-    """L(N, D) = E + A * (N / N0)^-a + B * (D / D0)^-b (a == b when `tied`)."""
+    """L(N, D) = E + A * (N / N0)^-a + B * (D / D0)^-b."""
 
     E: float
     A: float
@@ -71,10 +81,10 @@ class ChinchillaFit:
     b: float
     N0: float
     D0: float
-    rmse: float
+    rmse: float  # of the fit's residuals, in loss units
     n: int
-    tied: bool
-    at_bound: tuple[str, ...]  # parameters pinned to a bound: that split of N vs D is unidentified
+    at_bound: tuple[str, ...]  # parameters pinned to a bound: not identified by the points
+    condition: float = 1.0  # of the fit's Jacobian; > CONDITION_LIMIT: terms not separable
 
     def predict(self, n_params: float | np.ndarray, tokens: float | np.ndarray):
         n = np.asarray(n_params, float) / self.N0
@@ -83,12 +93,43 @@ class ChinchillaFit:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "at_bound": list(self.at_bound),
+                "unidentified": self.condition > CONDITION_LIMIT,
                 "formula": "L(N, D) = E + A * (N / N0)^-a + B * (D / D0)^-b"}
 
 
 @dataclass(frozen=True)
+class CurveFit:
+    """L(N, S1, q) = E + A (N / N0)^-a + B (S1 / D0)^-b (1 - C q) (see moelab.ladder.curve)."""
+
+    E: float
+    A: float
+    a: float
+    B: float
+    b: float
+    C: float
+    N0: float
+    D0: float
+    rmse: float
+    n: int
+    at_bound: tuple[str, ...]
+    condition: float = 1.0
+
+    def predict(self, n_params, s1, q):
+        features = np.stack(np.broadcast_arrays(np.asarray(n_params, float) / self.N0,
+                                                np.asarray(s1, float) / self.D0,
+                                                np.asarray(q, float)))
+        return _curve_law(curve_theta(self), features)[0]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "at_bound": list(self.at_bound),
+                "unidentified": self.condition > CONDITION_LIMIT,
+                "formula": "L = E + A (N/N0)^-a + B (S1/D0)^-b (1 - C q); S1 = lr-weighted "
+                           "tokens, q = annealing area / S1"}
+
+
+@dataclass(frozen=True)
 class Interval:
-    """A bootstrap interval of the prediction at one compute, with the refits it used."""
+    """A parametric-bootstrap interval of one prediction."""
 
     low: float
     high: float
@@ -96,19 +137,9 @@ class Interval:
     samples: int  # refits that converged
     requested: int
     method: str
-    params: np.ndarray  # [samples, 3]: (E, log A, alpha) of each refit, for plotting bands
-
-    def band(self, compute: np.ndarray, fit: PowerLawFit) -> tuple[np.ndarray, np.ndarray]:
-        """(low, high) of the refits' predictions at each compute."""
-        x = np.asarray(compute, float)[None, :] / fit.C0
-        e, log_a, alpha = (self.params[:, i : i + 1] for i in range(3))
-        curves = e + np.exp(log_a) * x**-alpha
-        tail = (1 - self.confidence) / 2 * 100
-        return np.percentile(curves, tail, axis=0), np.percentile(curves, 100 - tail, axis=0)
 
     def to_dict(self) -> dict:
-        return {"low": self.low, "high": self.high, "confidence": self.confidence,
-                "samples": self.samples, "requested": self.requested, "method": self.method}
+        return asdict(self)
 
 
 # --------------------------------------------------------------------------- L(C)
@@ -143,8 +174,10 @@ def _power_starts(x: np.ndarray, loss: np.ndarray) -> list[np.ndarray]:
     return starts
 
 
-def _solve(problem: Residuals, starts, bounds) -> tuple[np.ndarray | None, str]:
-    """The lowest-cost converged least_squares solution over the starts, or (None, why)."""
+def _solve(problem: Residuals, starts, bounds, robust: bool = False
+           ) -> tuple[np.ndarray | None, str]:
+    """The lowest-cost converged least_squares solution over the starts, or (None, why).
+    `robust`: Huber loss with delta HUBER_DELTA on the residuals (approach 3)."""
     residuals, jacobian = problem
     best, why = None, "no start converged"
     lower, upper = np.array(bounds[0]), np.array(bounds[1])
@@ -152,7 +185,8 @@ def _solve(problem: Residuals, starts, bounds) -> tuple[np.ndarray | None, str]:
         x0 = np.clip(x0, lower + 1e-9 * (1 + abs(lower)), upper - 1e-9 * (1 + abs(upper)))
         try:
             result = least_squares(residuals, x0, jac=jacobian, bounds=bounds, method="trf",
-                                   x_scale="jac", max_nfev=500)
+                                   x_scale="jac", max_nfev=500,
+                                   loss="huber" if robust else "linear", f_scale=HUBER_DELTA)
         except ValueError as err:  # e.g. non-finite residuals at the start
             why = str(err)
             continue
@@ -181,6 +215,21 @@ def _check_points(loss: np.ndarray, params: int, *inputs: np.ndarray) -> None:
     if np.any(values <= 0):
         raise FitError(f"compute, sizes and losses must be > 0 to fit a power law, got "
                        f"losses {loss.tolist()}")
+
+
+def power_law_refit(fit: PowerLawFit, compute: Sequence[float], at: float
+                    ) -> Callable[[np.ndarray], float | None]:
+    """y -> the prediction at `at` of L(C) refitted to losses y from `fit` (bootstrap)."""
+    x = np.asarray(compute, float) / fit.C0
+    start = np.array([fit.E, math.log(fit.A), fit.alpha])
+
+    def refit(y: np.ndarray) -> float | None:
+        theta, _ = _solve(_power_residuals(x, y), [start], _power_bounds(y))
+        if theta is None:
+            return None
+        return float(theta[0] + math.exp(theta[1]) * (at / fit.C0) ** -theta[2])
+
+    return refit
 
 
 def fit_power_law(compute: Sequence[float], loss: Sequence[float]) -> PowerLawFit:
@@ -213,102 +262,174 @@ def fit_power_law(compute: Sequence[float], loss: Sequence[float]) -> PowerLawFi
                        "rung trains long enough to improve on the one before, or spread them "
                        "over a wider compute range")
     rmse = float(np.sqrt(np.mean(problem[0](theta) ** 2)))
-    return PowerLawFit(E=e, A=math.exp(log_a), alpha=alpha, C0=c0, rmse=rmse, n=len(c))
+    # E at 0 still extrapolates, but only because the bound stopped it: flagged, not fatal
+    return PowerLawFit(E=e, A=math.exp(log_a), alpha=alpha, C0=c0, rmse=rmse, n=len(c),
+                       at_bound=("E",) if _pinned(e, 0.0) else ())
 
 
-def bootstrap_interval(
-    fit: PowerLawFit,
-    compute: Sequence[float],
-    loss: Sequence[float],
-    at: float,
+def parametric_interval(
+    refit: Callable[[np.ndarray], float | None],
+    fitted: np.ndarray,
+    point_sd: np.ndarray,
+    target_sd: float,
+    value: float,
     samples: int = 1000,
     confidence: float = 0.9,
     seed: int = 0,
 ) -> Interval:
-    """Residual-bootstrap interval of fit.predict(at) (see the module docstring)."""
+    """Parametric-bootstrap interval of a prediction (see the module docstring).
+
+    refit(y) refits the law to losses y and returns its prediction for the target (None if
+    it failed); fitted are the law's values at the points, point_sd each point's noise (sd
+    of its replicate mean), target_sd the target's own seed noise."""
     if not 0 < confidence < 1:
         raise FitError(f"confidence must be in (0, 1), got {confidence}")
-    c, y = np.asarray(compute, float), np.asarray(loss, float)
-    x = c / fit.C0
-    fitted = fit.predict(c)
-    n, p = len(c), 3
-    residual = (y - fitted) * (math.sqrt(n / (n - p)) if n > p else 0.0)
     rng = np.random.default_rng(seed)
-    start = np.array([fit.E, math.log(fit.A), fit.alpha])
-    if not residual.any():  # n == p: the fit is exact and there is nothing to resample
-        kept = [start] * samples
-    else:
-        kept = []
-        for _ in range(samples):
-            y_star = fitted + rng.choice(residual, size=n, replace=True)
-            theta, _ = _solve(_power_residuals(x, y_star), [start], _power_bounds(y_star))
-            if theta is not None:
-                kept.append(theta)
-    if not kept:
-        raise FitError("no bootstrap refit converged; the interval is undefined")
-    params = np.array(kept)
-    preds = params[:, 0] + np.exp(params[:, 1]) * (at / fit.C0) ** -params[:, 2]
+    preds = []
+    for _ in range(samples):
+        pred = refit(fitted + point_sd * rng.standard_normal(len(fitted)))
+        if pred is not None and np.isfinite(pred):
+            preds.append(pred + target_sd * rng.standard_normal())
+    if len(preds) < samples / 2:
+        raise FitError(f"only {len(preds)} of {samples} bootstrap refits converged; the "
+                       "interval is undefined")
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(preds, [tail, 100 - tail])
-    value = float(fit.predict(at))
-    method = (f"residual bootstrap, {samples} resamples of the {n} rungs' residuals "
-              f"(scaled by sqrt(n/(n-p)), p=3), percentile interval")
-    if n == p:
-        method += "; with 3 rungs the fit is exact and the interval has zero width"
+    method = (f"parametric bootstrap: {samples} refits to fitted + N(0, sd_point) (sd_point "
+              f"= seed sd / sqrt(replicates), {np.min(point_sd):.4f}..{np.max(point_sd):.4f}), "
+              f"each prediction plus the target's own seed noise N(0, {target_sd:.4f}); "
+              "percentile interval")
     return Interval(low=min(float(low), value), high=max(float(high), value),
-                    confidence=confidence, samples=len(kept), requested=samples,
-                    method=method, params=params)
+                    confidence=confidence, samples=len(preds), requested=samples, method=method)
 
 
-# ------------------------------------------------------------------------- L(N, D)
+def compute_levels(compute: Sequence[float]) -> np.ndarray:
+    """An integer level per point: points within LEVEL_TOLERANCE in compute share one."""
+    c = np.asarray(compute, float)
+    order = np.argsort(c)
+    levels, level, anchor = np.empty(len(c), int), -1, -np.inf
+    for i in order:
+        if c[i] > anchor * (1 + LEVEL_TOLERANCE):
+            level, anchor = level + 1, c[i]
+        levels[i] = level
+    return levels
 
 
-def fit_chinchilla(
-    n_params: Sequence[float], tokens: Sequence[float], loss: Sequence[float]
-) -> ChinchillaFit:
-    """L(N, D) = E + A/N^a + B/D^b over active params N and tokens D.
+def isoflop_minima(compute: Sequence[float], loss: Sequence[float]) -> list[int]:
+    """Index of the lowest-loss point at each compute level (the IsoFLOP minima)."""
+    levels, y = compute_levels(compute), np.asarray(loss, float)
+    return [int(np.flatnonzero(levels == k)[np.argmin(y[levels == k])])
+            for k in range(levels.max() + 1)]
 
-    Five parameters need at least six rungs; with exactly five the exponents are tied
-    (a == b) to leave one degree of freedom. Rungs that grow N and D in lockstep cannot
-    tell the two terms apart; such parameters end at a bound and are listed in at_bound.
-    """
-    n_arr, d_arr, y = (np.asarray(v, float) for v in (n_params, tokens, loss))
-    _check_points(y, 5, n_arr, d_arr)
-    tied = len(y) < 6
-    n0, d0 = float(n_arr.min()), float(d_arr.min())
-    nx, dx = n_arr / n0, d_arr / d0
 
-    def unpack(theta: np.ndarray) -> tuple[float, ...]:
-        if tied:
-            e, log_a, log_b, exp_ = theta
-            return e, log_a, exp_, log_b, exp_
-        return tuple(theta)
+# ----------------------------------------------------------- approach 3 (Huber, log L)
+
+
+def _approach3(features: np.ndarray, y: np.ndarray, law: Callable, names: tuple[str, ...],
+               bounds, starts) -> tuple[np.ndarray, tuple[str, ...], float, float]:
+    """Huber on log L from every start, keeping the best (Hoffmann et al.'s approach 3; they
+    used L-BFGS, here trust-region least squares with the same robust loss, ~10x faster).
+    law(theta, features) -> (prediction [n], d prediction / d theta [p, n]).
+    Returns (theta, parameters at a bound, rmse in loss units, condition number of the
+    log-residuals' Jacobian: huge when the points cannot tell parameters apart)."""
+    log_y = np.log(y)
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        e, log_a, a, log_b, b = unpack(theta)
-        return e + np.exp(log_a) * nx**-a + np.exp(log_b) * dx**-b - y
+        pred = law(theta, features)[0]
+        return np.log(np.maximum(pred, 1e-300)) - log_y
 
-    lb_exp, ub_exp = ALPHA_MIN, ALPHA_MAX
-    if tied:
-        bounds = ([0.0, -LOG_A_BOUND, -LOG_A_BOUND, lb_exp],
-                  [float(y.min()), LOG_A_BOUND, LOG_A_BOUND, ub_exp])
-    else:
-        bounds = ([0.0, -LOG_A_BOUND, lb_exp, -LOG_A_BOUND, lb_exp],
-                  [float(y.min()), LOG_A_BOUND, ub_exp, LOG_A_BOUND, ub_exp])
-    starts = []
-    for e_frac in (0.0, 0.5, 0.8):
-        excess = max(float(y.min()) * (1 - e_frac) / 2, 1e-6)
-        for exp_ in (0.1, 0.3, 0.7):
-            la = math.log(excess)
-            starts.append(np.array([e_frac * y.min(), la, la, exp_] if tied
-                                   else [e_frac * y.min(), la, exp_, la, exp_]))
-    theta, why = _solve((residuals, "2-point"), starts, bounds)
+    def jacobian(theta: np.ndarray) -> np.ndarray:
+        pred, grad = law(theta, features)
+        return (grad / np.maximum(pred, 1e-300)).T
+
+    theta, why = _solve((residuals, jacobian), starts, bounds, robust=True)
     if theta is None:
-        raise FitError(f"the fit of L(N, D) did not converge ({why})")
-    names = ("E", "log_A", "log_B", "a=b") if tied else ("E", "log_A", "a", "log_B", "b")
+        raise FitError(f"the approach-3 fit did not converge ({why})")
+    pred, grad = law(theta, features)
     at_bound = tuple(name for name, v, lo, hi in zip(names, theta, *bounds, strict=True)
                      if _pinned(v, lo) or _pinned(v, hi))
-    e, log_a, a, log_b, b = (float(v) for v in unpack(theta))
-    rmse = float(np.sqrt(np.mean(residuals(theta) ** 2)))
+    singular = np.linalg.svd(grad / pred, compute_uv=False)
+    condition = float(singular[0] / max(singular[-1], 1e-300))
+    rmse = float(np.sqrt(np.mean((pred - y) ** 2)))
+    return theta, at_bound, rmse, condition
+
+
+def _two_term(theta, f):
+    e, log_a, a, log_b, b = theta[:5]
+    n_term, d_term = np.exp(log_a) * f[0] ** -a, np.exp(log_b) * f[1] ** -b
+    grad = np.stack([np.ones_like(n_term), n_term, -n_term * np.log(f[0]), d_term,
+                     -d_term * np.log(f[1])])
+    return e + n_term + d_term, grad
+
+
+def _curve_law(theta, f):
+    e, log_a, a, log_b, b, c = theta
+    n_term, s_term = np.exp(log_a) * f[0] ** -a, np.exp(log_b) * f[1] ** -b
+    keep = 1 - c * f[2]
+    grad = np.stack([np.ones_like(n_term), n_term, -n_term * np.log(f[0]), s_term * keep,
+                     -s_term * keep * np.log(f[1]), -s_term * f[2]])
+    return e + n_term + s_term * keep, grad
+
+
+def _grid(y: np.ndarray, extra: tuple[float, ...] = ()) -> list[np.ndarray]:
+    """Starts: E at 0/50/85% of the lowest loss, exponents 0.15/0.5, the excess split 1:3
+    or 3:1 between the two terms (24 starts; x `extra` values)."""
+    starts = []
+    for e_frac in (0.0, 0.5, 0.85):
+        excess = float(y.min()) * (1 - e_frac)
+        for a in (0.15, 0.5):
+            for b in (0.15, 0.5):
+                for share in (0.25, 0.75):
+                    head = [e_frac * y.min(), math.log(excess * share), a,
+                            math.log(excess * (1 - share)), b]
+                    starts += [np.array(head + [c]) for c in extra] or [np.array(head)]
+    return starts
+
+
+def _two_term_bounds(y: np.ndarray, extra: int = 0):
+    lower = [0.0, -LOG_A_BOUND, ALPHA_MIN, -LOG_A_BOUND, ALPHA_MIN] + [0.0] * extra
+    upper = [float(y.min()), LOG_A_BOUND, ALPHA_MAX, LOG_A_BOUND, ALPHA_MAX] + [C_MAX] * extra
+    return lower, upper
+
+
+def fit_chinchilla(n_params: Sequence[float], tokens: Sequence[float], loss: Sequence[float],
+                   start: np.ndarray | None = None) -> ChinchillaFit:
+    """L(N, D) = E + A/N^a + B/D^b over active params N and tokens D (approach 3, untied).
+
+    Needs five distinct points; points whose log N and log D move in lockstep cannot tell
+    the terms apart, and the parameters that then end at a bound are listed in at_bound.
+    `start` (a previous fit's parameters) replaces the grid, for bootstrap refits."""
+    n_arr, d_arr, y = (np.asarray(v, float) for v in (n_params, tokens, loss))
+    _check_points(y, 5, n_arr, d_arr)
+    n0, d0 = float(n_arr.min()), float(d_arr.min())
+    features = np.stack([n_arr / n0, d_arr / d0])
+    starts = _grid(y) if start is None else [start]
+    theta, at_bound, rmse, condition = _approach3(
+        features, y, _two_term, ("E", "log_A", "a", "log_B", "b"), _two_term_bounds(y), starts)
+    e, log_a, a, log_b, b = (float(v) for v in theta)
     return ChinchillaFit(E=e, A=math.exp(log_a), a=a, B=math.exp(log_b), b=b, N0=n0, D0=d0,
-                         rmse=rmse, n=len(y), tied=tied, at_bound=at_bound)
+                         rmse=rmse, n=len(y), at_bound=at_bound, condition=condition)
+
+
+def chinchilla_theta(fit: ChinchillaFit) -> np.ndarray:
+    return np.array([fit.E, math.log(fit.A), fit.a, math.log(fit.B), fit.b])
+
+
+def fit_curve(n_params: Sequence[float], s1: Sequence[float], q: Sequence[float],
+              loss: Sequence[float], start: np.ndarray | None = None) -> CurveFit:
+    """The schedule-aware law (moelab.ladder.curve) fitted to every evaluation point."""
+    n_arr, s1_arr, q_arr, y = (np.asarray(v, float) for v in (n_params, s1, q, loss))
+    _check_points(y, 6, n_arr, s1_arr)
+    n0, d0 = float(n_arr.min()), float(s1_arr.min())
+    features = np.stack([n_arr / n0, s1_arr / d0, q_arr])
+    starts = _grid(y, (0.0, 1.0)) if start is None else [start]
+    theta, at_bound, rmse, condition = _approach3(
+        features, y, _curve_law, ("E", "log_A", "a", "log_B", "b", "C"),
+        _two_term_bounds(y, 1), starts)
+    e, log_a, a, log_b, b, c = (float(v) for v in theta)
+    return CurveFit(E=e, A=math.exp(log_a), a=a, B=math.exp(log_b), b=b, C=c, N0=n0, D0=d0,
+                    rmse=rmse, n=len(y), at_bound=at_bound, condition=condition)
+
+
+def curve_theta(fit: CurveFit) -> np.ndarray:
+    return np.array([fit.E, math.log(fit.A), fit.a, math.log(fit.B), fit.b, fit.C])

@@ -1,10 +1,11 @@
 """The ladder's report: predicted vs actual (JSON and Markdown) and two plots.
 
-fit.png: final validation loss vs compute for the rungs, the fitted law with its bootstrap
-band out to the target, and the target's pre-registered prediction (with its interval)
-beside the loss it actually reached. curves.png: each run's training loss vs step.
-Everything shown comes from the pre-registration record and the runs' metrics files, so
-`ladder report` can rebuild it at any time without training.
+fit.png: each point's mean final loss (seed sd as error bars) vs compute, the L(C) fit on
+the IsoFLOP minima, and the target's pre-registered prediction (with its interval) beside
+the loss it reached. curves.png: the target's pre-registered curve (with its band) against
+its measured evaluations, over the rungs' measured curves. Everything shown comes from
+the pre-registration record and the runs' metrics, so `ladder report` can rebuild it at
+any time without training.
 """
 
 from __future__ import annotations
@@ -17,90 +18,119 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from moelab.ladder import prereg
-from moelab.ladder.fit import PowerLawFit, bootstrap_interval
-from moelab.ladder.runner import RunResult, metrics, run_dir, timings
+from moelab.ladder.fit import PowerLawFit
+from moelab.ladder.predict import compare
+from moelab.ladder.runner import RunResult, timings
 from moelab.ladder.spec import LadderSpec
 
 FIELDS = ("E", "A", "alpha", "C0", "rmse", "n")
 
 
-def power_fit(record: dict[str, Any]) -> PowerLawFit:
-    return PowerLawFit(**{k: record["fit"][k] for k in FIELDS})
-
-
 def build_report(spec: LadderSpec, record: dict[str, Any], actual: RunResult) -> dict[str, Any]:
     p = record["prediction"]
-    error = (p["value"] - actual.final_val_loss) / actual.final_val_loss
-    secondary = dict(record["secondary"])
-    if "value" in secondary:
-        secondary["relative_error"] = ((secondary["value"] - actual.final_val_loss)
-                                       / actual.final_val_loss)
+    scored = compare(record, actual)
     seconds = timings(spec.out)
+    wall = sum(t["wall_s"] for t in seconds.values())
     return {
         "ladder": spec.name,
         "metric": p["metric"],
+        "law": p["law"],
         "predicted": p["value"],
         "interval": {k: p[k] for k in ("low", "high", "confidence", "method")},
         "actual": actual.final_val_loss,
         "actual_by_source": actual.val_loss,
-        "relative_error": error,  # (predicted - actual) / actual
-        "abs_relative_error": abs(error),
-        "within_interval": p["low"] <= actual.final_val_loss <= p["high"],
-        "fit": record["fit"],
-        "secondary": secondary,
-        "rungs": [{k: v for k, v in r.items() if k != "config"} for r in record["rungs"]],
+        "relative_error": scored["relative_error"],  # (predicted - actual) / actual
+        "abs_relative_error": abs(scored["relative_error"]),
+        "within_interval": scored["within_interval"],
+        "at_bound": p["at_bound"],
+        "laws": scored["laws"],
+        "seed_sd": record["noise"]["seed_sd"],
+        "noise": record["noise"],
+        "curve_median_abs_rel_error": scored["curve_median_abs_rel_error"],
+        "curve": scored["curve"],
+        "stability": {"forecast": record["stability"], "check": scored.get("stability")},
+        "backtest": {name: law["backtest"] for name, law in record["laws"].items()
+                     if "backtest" in law},
+        "lr_check": record["lr_check"],
+        "points": record["points"],
+        "fits": {name: law.get("fit", law.get("skipped")) for name, law in record["laws"].items()},
         "target": {**{k: v for k, v in record["target"].items() if k != "config"},
-                   "final_val_loss": actual.final_val_loss},
-        "compute_ratio": actual.compute / max(r["compute"] for r in record["rungs"]),
+                   "final_val_loss": actual.final_val_loss, "curve": actual.curve,
+                   "stability": actual.stability},
+        "compute_ratio": actual.compute / max(r["compute"] for r in record["points"]),
         "preregistration": {"file": prereg.PREREG_FILE, "created_at": record["created_at"],
                             "sha256": record["sha256"]},
         "code_version": record["code_version"],
-        "time_s": {"runs": seconds,
-                   "wall_total": sum(t["wall_s"] for t in seconds.values()),
+        "wall_s": wall,
+        "time_s": {"runs": seconds, "wall_total": wall,
                    "cpu_total": sum(t["cpu_s"] for t in seconds.values())},
     }
 
 
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.2%}"
+
+
 def markdown(report: dict[str, Any]) -> str:
-    fit, iv = report["fit"], report["interval"]
+    iv, noise = report["interval"], report["noise"]
     lines = [
         f"# Ladder `{report['ladder']}`: predicted vs actual",
         "",
         f"Metric: {report['metric']}.",
         "",
-        f"- predicted (pre-registered {report['preregistration']['created_at']}): "
-        f"**{report['predicted']:.4f}**, {iv['confidence']:.0%} interval "
-        f"[{iv['low']:.4f}, {iv['high']:.4f}]",
+        f"- predicted by `{report['law']}` (pre-registered "
+        f"{report['preregistration']['created_at']}): **{report['predicted']:.4f}**, "
+        f"{iv['confidence']:.0%} interval [{iv['low']:.4f}, {iv['high']:.4f}]"
+        + (f"; parameters at a bound: {', '.join(report['at_bound'])}"
+           if report["at_bound"] else ""),
         f"- actual: **{report['actual']:.4f}**"
         f" ({'inside' if report['within_interval'] else 'outside'} the interval)",
         f"- relative error (predicted - actual) / actual: **{report['relative_error']:+.2%}**",
-        f"- fit: L(C) = {fit['E']:.4f} + {fit['A_raw']:.4g} * C^-{fit['alpha']:.4f} "
-        f"(rmse {fit['rmse']:.4f} over {fit['n']} rungs); target at "
-        f"{report['compute_ratio']:.1f}x the largest rung's compute",
-    ]
-    secondary = report["secondary"]
-    if "value" in secondary:
-        nd = secondary["fit"]
-        bound = f"; at a bound: {', '.join(nd['at_bound'])}" if nd["at_bound"] else ""
-        lines.append(f"- secondary, L(N, D) = E + A/N^a + B/D^b: {secondary['value']:.4f} "
-                     f"({secondary['relative_error']:+.2%}; E={nd['E']:.3f}, a={nd['a']:.3f}, "
-                     f"b={nd['b']:.3f}{', a=b tied' if nd['tied'] else ''}{bound})")
-    else:
-        lines.append(f"- secondary L(N, D) fit skipped: {secondary['skipped']}")
-    lines += ["", f"Interval: {iv['method']}.", "",
-              "| run | d_model | layers | experts (top-k) | active params | tokens | "
-              "compute (FLOPs) | final val loss | wall (s) |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    spent = report["time_s"]["runs"]
-    for r in [*report["rungs"], report["target"]]:
-        lines.append(
-            f"| {r['name']} | {r['d_model']} | {r['n_layers']} | "
-            f"{r['n_experts']} ({r['top_k']}) | {r['active_params']:,} | "
-            f"{r['tokens']:,} | {r['compute']:.3g} | {r['final_val_loss']:.4f} | "
-            f"{spent.get(r['name'], {}).get('wall_s', float('nan')):.0f} |")
-    commit = report["code_version"]
-    time_s = report["time_s"]
-    lines += ["", f"Training time, all runs: {time_s['wall_total'] / 60:.1f} min wall, "
+        f"- whole curve: median |relative error| over the target's evaluations after "
+        f"warmup **{_pct(report['curve_median_abs_rel_error']).lstrip('+')}**",
+        f"- seed noise: sd {noise['seed_sd']:.4f} nats per run at the end ({noise['dof']} "
+        f"dof, {noise['source']}); {noise['eval_sd']:.4f} per evaluation point",
+        f"- target at {report['compute_ratio']:.1f}x the largest rung's compute",
+        "", f"Interval: {iv['method']}.", "",
+        "| law | predicted | relative error | inside its interval |", "|---|---|---|---|"]
+    for name, law in report["laws"].items():
+        lines.append(f"| {name} | {law['value']:.4f} | {law['relative_error']:+.2%} | "
+                     f"{'yes' if law['within_interval'] else 'no'} |")
+    for name, fit in report["fits"].items():
+        if isinstance(fit, str):
+            lines.append(f"\n{name}: skipped ({fit})")
+        elif fit.get("at_bound"):
+            lines.append(f"\n{name}: parameters at a bound (not identified): "
+                         f"{', '.join(fit['at_bound'])}")
+    lines += ["", "Leave-one-compute-level-out backtest (mean |relative error| of the held-out "
+              "level's points):", ""]
+    for name, levels in report["backtest"].items():
+        cells = ", ".join(f"L{b['level']}: {b['mean_abs_rel_error']:.2%}" if "points" in b
+                          else f"L{b['level']}: skipped" for b in levels)
+        lines.append(f"- {name}: {cells}")
+    lines += ["", "| point | active params | tokens | compute | seeds | mean final loss | sd |",
+              "|---|---|---|---|---|---|---|"]
+    for r in report["points"]:
+        sd = "" if r["sd"] is None else f"{r['sd']:.4f}"
+        lines.append(f"| {r['point']} | {r['active_params']:,} | {r['tokens']:,} | "
+                     f"{r['compute']:.3g} | {len(r['seeds'])} | {r['mean']:.4f} | {sd} |")
+    check = report["stability"]["check"]
+    if check:
+        lines += ["", f"Stability: grad-norm peak predicted {check['predicted_grad_norm_peak']:.3f}"
+                  f", actual {check['actual_grad_norm_peak']:.3f} (limit "
+                  f"{report['stability']['forecast']['limit']}: expected "
+                  f"{'above' if check['expected_above_limit'] else 'below'}, was "
+                  f"{'above' if check['above_limit'] else 'below'}); late-stable grad norm "
+                  f"{check['predicted_grad_norm']:.3f} vs {check['actual_grad_norm']:.3f}; "
+                  f"logit z {check['predicted_logit_z']:.2f} vs {check['actual_logit_z']:.2f}."]
+    if "skipped" not in report["lr_check"]:
+        lines += ["", "Learning-rate check (final loss at each lr, first seed):", ""]
+        for point, e in report["lr_check"].items():
+            probes = ", ".join(f"{k}: {v:.4f}" for k, v in e["probes"].items())
+            lines.append(f"- {point}: own lr {e['lr']:.4g}: {e['loss']:.4f}; {probes}; best "
+                         f"{e['best_lr']:.4g}")
+    commit, time_s = report["code_version"], report["time_s"]
+    lines += ["", f"Time, all runs: {time_s['wall_total'] / 60:.1f} min wall, "
               f"{time_s['cpu_total'] / 60:.1f} min process CPU. "
               f"Code: {commit['commit']}{' (dirty)' if commit['dirty'] else ''}. "
               f"Pre-registration sha256: `{report['preregistration']['sha256']}`.", "",
@@ -109,66 +139,62 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot_fit(record: dict[str, Any], actual: RunResult, path: Path) -> None:
-    fit = power_fit(record)
-    compute = np.array([r["compute"] for r in record["rungs"]])
-    loss = np.array([r["final_val_loss"] for r in record["rungs"]])
-    options = record["fit_options"]
-    interval = bootstrap_interval(fit, compute, loss, actual.compute, options["bootstrap"],
-                                  options["confidence"], options["seed"])
-    grid = np.geomspace(compute.min() / 1.5, actual.compute * 1.5, 200)
-    low, high = interval.band(grid, fit)
+    points = record["points"]
+    compute = np.array([r["compute"] for r in points])
+    loss = np.array([r["mean"] for r in points])
+    sd = np.array([r["sd"] or 0.0 for r in points])
     p = record["prediction"]
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
-    ax.fill_between(grid, low, high, alpha=0.2, color="C0",
-                    label=f"{p['confidence']:.0%} bootstrap band")
-    ax.plot(grid, fit.predict(grid), color="C0",
-            label=f"L = {fit.E:.3f} + {fit.A_raw:.3g} C^-{fit.alpha:.3f}")
-    ax.scatter(compute, loss, color="C0", zorder=3, label="rungs")
+    ax.errorbar(compute, loss, yerr=sd, fmt="o", color="C0", capsize=3,
+                label="rung points (mean, seed sd)")
+    law = record["laws"].get("compute", {})
+    if "fit" in law:
+        fit = PowerLawFit(**{k: law["fit"][k] for k in FIELDS})
+        grid = np.geomspace(compute.min() / 1.5, actual.compute * 1.5, 200)
+        ax.plot(grid, fit.predict(grid), color="C0", alpha=0.6,
+                label=f"L(C) on IsoFLOP minima = {fit.E:.3f} + {fit.A_raw:.3g} C^-{fit.alpha:.3f}")
     ax.errorbar([actual.compute], [p["value"]], yerr=[[p["value"] - p["low"]],
                 [p["high"] - p["value"]]], fmt="o", mfc="none", color="C1", capsize=4,
-                label=f"target predicted {p['value']:.4f}")
+                label=f"target predicted ({p['law']}) {p['value']:.4f}")
     ax.scatter([actual.compute], [actual.final_val_loss], marker="*", s=140, color="C3",
                zorder=4, label=f"target actual {actual.final_val_loss:.4f}")
-    ax.set_xscale("log")
-    ax.set_xlabel("training compute C (FLOPs)")
-    ax.set_ylabel("final validation loss (nats/token)")
     error = (p["value"] - actual.final_val_loss) / actual.final_val_loss
-    ax.set_title(f"ladder {record['ladder']}: relative error {error:+.2%}")
+    _save(fig, ax, path, f"ladder {record['ladder']}: relative error {error:+.2%}",
+          "training compute C (FLOPs)", "final validation loss (nats/token)")
+
+
+def _save(fig: Figure, ax, path: Path, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
-    """Exponential moving average, debiased like TensorBoard's."""
-    out, avg = np.empty_like(values), 0.0
-    for i, v in enumerate(values):
-        avg = weight * avg + (1 - weight) * v
-        out[i] = avg / (1 - weight ** (i + 1))
-    return out
-
-
-def plot_curves(spec: LadderSpec, path: Path) -> None:
+def plot_curves(record: dict[str, Any], actual: RunResult, path: Path) -> None:
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
-    for i, rung in enumerate(spec.runs()):
-        records = [r for r in metrics(run_dir(spec, rung)) if "loss" in r]
-        if not records:
-            continue
-        steps = np.array([r["step"] for r in records])
-        loss = np.array([r["loss"] for r in records])
-        ax.plot(steps, loss, color=f"C{i}", alpha=0.2, linewidth=0.7)
-        ax.plot(steps, smooth(loss), color=f"C{i}", label=rung.name)
-    ax.set_xscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (EMA 0.9; raw faint)")
-    ax.set_title(f"ladder {spec.name}: loss curves")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    per_token = actual.tokens / record["target"]["steps"]
+    for run in record["rungs"]:
+        tokens = [e["step"] * run["tokens"] / run["steps"] for e in run["curve"]]
+        ax.plot(tokens, [e["loss"] for e in run["curve"]], color="0.6", alpha=0.4,
+                linewidth=0.8)
+    curve = record["laws"].get("curve", {}).get("points", [])
+    if curve:
+        tokens = [pt["tokens"] for pt in curve]
+        ax.fill_between(tokens, [pt["low"] for pt in curve], [pt["high"] for pt in curve],
+                        color="C1", alpha=0.2, label="target: pre-registered band")
+        ax.plot(tokens, [pt["predicted"] for pt in curve], color="C1",
+                label="target: pre-registered curve")
+    ax.plot([e["step"] * per_token for e in actual.curve], [e["loss"] for e in actual.curve],
+            "*-", color="C3", label="target: measured")
+    ax.plot([], [], color="0.6", label="rungs: measured")
+    _save(fig, ax, path, f"ladder {record['ladder']}: whole-val-split loss curves",
+          "tokens trained", "validation loss (nats/token)")
 
 
 def write_report(spec: LadderSpec, record: dict[str, Any], actual: RunResult) -> dict[str, Any]:
@@ -178,7 +204,7 @@ def write_report(spec: LadderSpec, record: dict[str, Any], actual: RunResult) ->
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "report.md").write_text(markdown(report))
     plot_fit(record, actual, out / "fit.png")
-    plot_curves(spec, out / "curves.png")
+    plot_curves(record, actual, out / "curves.png")
     print(f"[ladder {spec.name}] target val_loss {report['actual']:.4f}, predicted "
           f"{report['predicted']:.4f}: relative error {report['relative_error']:+.2%}; "
           f"report in {out / 'report.md'}", flush=True)

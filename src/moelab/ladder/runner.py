@@ -1,51 +1,55 @@
 """`run_ladder(spec)`: train the rungs, fit, pre-register, train the target, report.
 
 Each run lives in <out>/<name>/ and is trained by the ordinary trainer, which resumes a
-half-finished run from its last checkpoint. A finished run (its last metrics record is
-the final step) is not even reopened, so re-running a ladder costs nothing for the runs
-already done, and never touches their files.
+half-finished run from its last checkpoint, and scores it on the whole val split every
+1/evals of its steps (moelab.ladder.evaluate). A cooldown branch starts as a copy of its
+parent's checkpoint at the branch step, so the trainer "resumes" it there with the
+branch's own (shorter) schedule. A finished run (its last metrics record is the final step,
+scored) is not even reopened, so re-running a ladder costs nothing for the runs already
+done, and never touches their files.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from moelab.config import ConfigError, config_from_dict, config_to_dict
 from moelab.data.loader import mixture_weights, read_meta
 from moelab.errors import UserError
 from moelab.ladder import prereg
-from moelab.ladder.fit import (
-    FitError,
-    bootstrap_interval,
-    fit_chinchilla,
-    fit_power_law,
-)
-from moelab.ladder.spec import LadderSpec, Rung
+from moelab.ladder.spec import LadderSpec, Rung, stable_end
 from moelab.train.metrics import JsonlLog
 from moelab.train.rundir import CONFIG_FILE, METRICS_FILE
 
-FINAL_LOSS = ("validation cross-entropy (nats/token) at the run's last step, averaged over "
-              "data sources with the weights of the training mixture")
+FINAL_LOSS = ("cross-entropy (nats/token) of the final model over every window of the "
+              "validation split, averaged over data sources with the training mixture's weights")
 TIMINGS_FILE = "timings.json"
+VAL_PREFIX = "val_loss/"
 
 
 @dataclass(frozen=True)
 class RunResult:
-    """What a finished run contributes to the fit."""
+    """What a finished run contributes to the fits."""
 
     name: str
+    point: str
+    seed: int
     active_params: int
     total_params: int
     tokens: int
     compute: float
     final_val_loss: float
-    val_loss: dict[str, float]  # per source, at the last step
+    val_loss: dict[str, float]  # per source, over the whole val split, at the last step
+    curve: list[dict[str, float]] = field(default_factory=list)  # {step, loss} per eval
+    stability: dict[str, float] = field(default_factory=dict)  # grad norm, logit z
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,7 +66,7 @@ def metrics(path: Path) -> list[dict]:
 def is_finished(rung: Rung, path: Path) -> bool:
     records = metrics(path)
     return bool(records) and records[-1].get("step") == rung.config.train.steps and any(
-        k.startswith("val_loss/") for k in records[-1])
+        k.startswith(VAL_PREFIX) for k in records[-1])
 
 
 def check_run_dir(rung: Rung, path: Path) -> None:
@@ -84,18 +88,41 @@ def check_run_dir(rung: Rung, path: Path) -> None:
                         "directory to retrain it, or run the ladder with another --out")
 
 
+def _weighted(record: dict, weights: dict[str, float]) -> float:
+    scored = {s: w for s, w in weights.items() if w > 0 and VAL_PREFIX + s in record}
+    return float(sum(w * record[VAL_PREFIX + s] for s, w in scored.items())
+                 / sum(scored.values()))
+
+
+def _stability(rung: Rung, records: list[dict]) -> dict[str, float]:
+    """Grad norm and output log-normalizer over the last 10% of the stable phase (before
+    the decay shrinks the updates), and the grad norm's largest 20-step median after warmup."""
+    end, start = stable_end(rung.config), rung.config.optim.warmup_steps
+    window = max((end - start) // 10, 1)
+    late = [r for r in records if end - window < r["step"] <= end and "grad_norm" in r]
+    after = [r["grad_norm"] for r in records if r["step"] > start and "grad_norm" in r]
+    if not late or not after:
+        return {}
+    peaks = [float(np.median(after[i : i + 20])) for i in range(0, max(len(after) - 19, 1))]
+    return {"grad_norm": float(np.median([r["grad_norm"] for r in late])),
+            "grad_norm_peak": max(peaks),
+            "logit_z": float(np.median([r["logit_z"] for r in late]))}
+
+
 def result(rung: Rung, path: Path) -> RunResult:
-    """The finished run's final validation loss, mixture-weighted over sources."""
-    last = metrics(path)[-1]
-    by_source = {k.split("/", 1)[1]: float(v) for k, v in last.items()
-                 if k.startswith("val_loss/")}
+    """The finished run's losses on the whole val split (mixture-weighted over sources)."""
+    records = metrics(path)
     meta = read_meta(rung.config.data.path)
     weights = dict(zip(meta["sources"], mixture_weights(meta, "train", rung.config.data.mixture),
                        strict=True))
-    scored = {s: w for s, w in weights.items() if w > 0 and s in by_source}
-    loss = sum(w * by_source[s] for s, w in scored.items()) / sum(scored.values())
-    return RunResult(rung.name, rung.active_params, rung.total_params, rung.tokens,
-                     rung.compute, float(loss), by_source)
+    scored = [r for r in records if any(k.startswith(VAL_PREFIX) for k in r)]
+    last = scored[-1]
+    curve = [{"step": r["step"], "loss": _weighted(r, weights)} for r in scored]
+    return RunResult(rung.name, rung.point or rung.name, rung.seed, rung.active_params,
+                     rung.total_params, rung.tokens, rung.compute, curve[-1]["loss"],
+                     {k.removeprefix(VAL_PREFIX): float(v) for k, v in last.items()
+                      if k.startswith(VAL_PREFIX)},
+                     curve, _stability(rung, records))
 
 
 def _add_time(out: Path, name: str, wall_s: float, cpu_s: float) -> None:
@@ -107,11 +134,24 @@ def _add_time(out: Path, name: str, wall_s: float, cpu_s: float) -> None:
 
 
 def timings(out: Path) -> dict[str, dict[str, float]]:
-    """Per run: wall and process CPU seconds spent training it, summed over `ladder run`
-    invocations. CPU seconds count all cores, and unlike wall time do not grow when other
-    work shares the machine."""
+    """Per run: wall and process CPU seconds spent training and scoring it, summed over
+    `ladder run` invocations. CPU seconds count all cores, and unlike wall time do not grow
+    when other work shares the machine."""
     path = out / TIMINGS_FILE
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def start_branch(spec: LadderSpec, rung: Rung) -> None:
+    """Seed a branch's run dir with its parent's checkpoint at the branch step (once)."""
+    path = run_dir(spec, rung) / "checkpoints"
+    if path.exists() and any(path.iterdir()):
+        return  # started before (the trainer resumes from its own newest checkpoint)
+    source = spec.out / rung.parent / "checkpoints" / str(rung.branch_step)
+    if not source.is_dir():
+        raise UserError(f"{rung.name} branches from {source}, which does not exist; delete "
+                        f"{spec.out / rung.parent} to retrain its parent with that checkpoint")
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source, path / str(rung.branch_step))
 
 
 def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
@@ -125,12 +165,16 @@ def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
         done = result(rung, path)
         print(f"{head}: already trained, val_loss={done.final_val_loss:.4f}", flush=True)
         return done
-    from moelab.train.trainer import train  # jax is imported only when something trains
+    from moelab.ladder.evaluate import make_evaluator
+    from moelab.train import trainer  # jax is imported only when something trains
 
-    resuming = " (resuming)" if metrics(path) else ""
+    if rung.parent:
+        start_branch(spec, rung)
+    resuming = " (resuming)" if metrics(path) or rung.parent else ""
     print(f"{head}: training {rung.config.train.steps} steps{resuming}", flush=True)
     started, cpu = time.time(), time.process_time()
-    train(rung.config, path, experiment)
+    trainer.prepared_data(rung.config)
+    trainer.train(rung.config, path, experiment, evaluator=make_evaluator(rung.config))
     elapsed = time.time() - started
     _add_time(spec.out, rung.name, elapsed, time.process_time() - cpu)
     done = result(rung, path)
@@ -141,29 +185,11 @@ def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
 # ------------------------------------------------------------------- prediction
 
 
-def predict(spec: LadderSpec, results: list[RunResult]) -> dict[str, Any]:
-    """Fit both laws to the rungs and predict the target (raises FitError for L(C))."""
-    compute = [r.compute for r in results]
-    loss = [r.final_val_loss for r in results]
-    fit = fit_power_law(compute, loss)
-    target = spec.target
-    interval = bootstrap_interval(fit, compute, loss, target.compute, spec.fit.bootstrap,
-                                  spec.fit.confidence, spec.fit.seed)
-    prediction = {"value": float(fit.predict(target.compute)), **interval.to_dict(),
-                  "metric": FINAL_LOSS, "compute": target.compute}
-    try:
-        nd = fit_chinchilla([r.active_params for r in results], [r.tokens for r in results], loss)
-        secondary = {"fit": nd.to_dict(),
-                     "value": float(nd.predict(target.active_params, target.tokens))}
-    except FitError as err:  # secondary: reported, never fatal
-        secondary = {"skipped": str(err)}
-    return {"prediction": prediction, "fit": fit.to_dict(), "fit_options": asdict(spec.fit),
-            "secondary": secondary}
-
-
-def preregister(spec: LadderSpec, results: list[RunResult],
+def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[RunResult],
                 experiment: str | None = None) -> dict[str, Any]:
     """The pre-registration record: written now if absent, else read back and checked."""
+    from moelab.ladder.predict import forecast
+
     path = spec.out / prereg.PREREG_FILE
     hashes = config_hashes(spec)
     if not path.exists():
@@ -172,12 +198,14 @@ def preregister(spec: LadderSpec, results: list[RunResult],
             raise UserError(f"{target_dir} already has training metrics but there is no "
                             f"{path}; a prediction made now would not be a pre-registration. "
                             "Delete the target's directory to train it afresh")
+        by_name = {r.name: r for r in [*results, *lr_results]}
         record = {
             "kind": prereg.KIND, "ladder": spec.name, "created_at": prereg.utc_now(),
-            **predict(spec, results),
-            "rungs": [{**rung.summary(), **r.to_dict(), "config": config_to_dict(rung.config),
+            **forecast(spec, results, lr_results),
+            "rungs": [{**rung.summary(), **by_name[rung.name].to_dict(),
+                       "config": config_to_dict(rung.config),
                        "config_sha256": hashes[rung.name]}
-                      for r, rung in zip(results, spec.rungs, strict=True)],
+                      for rung in (*spec.rungs, *spec.lr_runs)],
             "target": {**spec.target.summary(), "config": config_to_dict(spec.target.config),
                        "config_sha256": hashes[spec.target.name]},
             "code_version": prereg.code_version(),
@@ -186,7 +214,7 @@ def preregister(spec: LadderSpec, results: list[RunResult],
             p = record["prediction"]
             print(f"[ladder {spec.name}] pre-registered {path}: target val_loss "
                   f"{p['value']:.4f} [{p['low']:.4f}, {p['high']:.4f}] "
-                  f"({p['confidence']:.0%})", flush=True)
+                  f"({p['confidence']:.0%}, law {p['law']})", flush=True)
     record = read_preregistration(spec)
     if experiment:
         _register_in_lab(spec, record, experiment)
@@ -223,7 +251,8 @@ def _register_in_lab(spec: LadderSpec, record: dict[str, Any], experiment: str) 
         store.add_prediction(experiment, name, p["value"], p["low"], p["high"],
                              {"preregistration": str(spec.out / prereg.PREREG_FILE),
                               "sha256": record["sha256"], "metric": p["metric"],
-                              "fit": record["fit"], "target": record["target"]["name"]})
+                              "law": p["law"], "fit": record["laws"][p["law"]]["fit"],
+                              "target": record["target"]["name"]})
 
 
 def run_ladder(spec: LadderSpec, experiment: str | None = None) -> dict[str, Any]:
@@ -231,22 +260,25 @@ def run_ladder(spec: LadderSpec, experiment: str | None = None) -> dict[str, Any
     from moelab.ladder.report import write_report
 
     spec.out.mkdir(parents=True, exist_ok=True)
-    total = len(spec.rungs)
-    results = [ensure_trained(spec, rung, f"rung {i}/{total}", experiment)
-               for i, rung in enumerate(spec.rungs, start=1)]
-    record = preregister(spec, results, experiment)
+    before = spec.rungs + spec.lr_runs
+    done = [ensure_trained(spec, rung, f"run {i}/{len(before)}", experiment)
+            for i, rung in enumerate(before, start=1)]
+    results, lr_results = done[: len(spec.rungs)], done[len(spec.rungs):]
+    record = preregister(spec, results, lr_results, experiment)
     actual = ensure_trained(spec, spec.target, "target", experiment)
     return write_report(spec, record, actual)
 
 
-def finished_rungs(spec: LadderSpec) -> list[RunResult]:
-    """Results of all rungs, or a UserError naming those not trained yet."""
-    missing = [r.name for r in spec.rungs if not is_finished(r, run_dir(spec, r))]
+def finished_rungs(spec: LadderSpec) -> tuple[list[RunResult], list[RunResult]]:
+    """Results of all rungs and lr probes, or a UserError naming those not trained yet."""
+    runs = spec.rungs + spec.lr_runs
+    missing = [r.name for r in runs if not is_finished(r, run_dir(spec, r))]
     if missing:
-        raise UserError(f"rungs not trained yet: {', '.join(missing)}; run `moelab ladder run`")
-    for rung in spec.rungs:
+        raise UserError(f"runs not trained yet: {', '.join(missing)}; run `moelab ladder run`")
+    for rung in runs:
         check_run_dir(rung, run_dir(spec, rung))
-    return [result(r, run_dir(spec, r)) for r in spec.rungs]
+    return ([result(r, run_dir(spec, r)) for r in spec.rungs],
+            [result(r, run_dir(spec, r)) for r in spec.lr_runs])
 
 
 def report_ladder(spec: LadderSpec) -> dict[str, Any]:

@@ -5,20 +5,32 @@ A spec is YAML:
     name: default                 # optional; default: the file's stem
     out: runs/ladder/default      # optional; default: runs/ladder/<name>
     base: {data: ..., optim: ...} # a partial config applied to every rung and the target
+    seeds: [1, 2, 3]              # optional: every rung is trained once per seed
+    evals: 10                     # optional: scored on the whole val split every 1/evals
     rungs:
-      - {name: r1, model: {d_model: 64}, train: {steps: 200}}
+      - {name: w32, model: {d_model: 32}, train: {steps: 1000}, branches: [500, 750]}
       - ...
     target: {name: target, model: {d_model: 160}, train: {steps: 2000}}
-    fit: {bootstrap: 1000, confidence: 0.9, seed: 0}   # optional
+    lr_check: {rungs: [w32, w96], factors: [0.5, 2.0]}  # optional
+    fit: {bootstrap: 1000, confidence: 0.9, seed: 0}    # optional
 
 Each rung's sections override base's field by field (a rung's data.mixture replaces
-base's whole). Every rung goes through config_from_dict, so a bad field fails here, before
+base's whole). Every run goes through config_from_dict, so a bad field fails here, before
 anything trains. Compute is C = flops_per_token(cfg) * steps * batch_size * seq_len.
+
+A rung is a *point* (one (N, D)); with `seeds` it is trained once per seed (train.seed and
+data.seed both set: init and data order vary, the val split scored stays the same), as runs
+`<point>-s<seed>`, and the fit uses the point's mean and the pooled seed sd. `branches` are
+WSD cooldowns: a branch of L steps resumes the rung's run from its checkpoint at the step
+where an L-step WSD run would start decaying, and decays from there, so it *is* an L-step
+run (same warmup, lr and batches up to that step) that costs only its decay. Rungs may
+share a compute level (IsoFLOP grids) and need no order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,28 +38,34 @@ from typing import Any
 
 import yaml
 
-from moelab.config import Config, ConfigError, config_from_dict
+from moelab.config import Config, ConfigError, config_from_dict, config_to_dict
 from moelab.train.metrics import active_params, flops_per_token, total_params
 
-MIN_RUNGS = 3  # the law has three parameters; four or more leave residuals for the interval
+MIN_POINTS = 3  # L(C) has three parameters; more points leave residuals to check it by
 MIN_TARGET_RATIO = 8.0  # the target's compute over the largest rung's, at least
-SPEC_KEYS = {"name", "out", "base", "rungs", "target", "fit"}
+SPEC_KEYS = {"name", "out", "base", "seeds", "evals", "rungs", "target", "lr_check", "fit"}
+RUNG_KEYS = {"name", "seeds", "branches"}  # besides config sections
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a rung's name is its run directory
 
 
 @dataclass(frozen=True)
 class FitOptions:
-    bootstrap: int = 1000  # residual-bootstrap resamples for the interval
+    bootstrap: int = 1000  # parametric-bootstrap resamples for the interval
     confidence: float = 0.9  # two-sided coverage of the interval
     seed: int = 0  # of the bootstrap's resampling
+    noise_sd: float | None = None  # per-run seed sd (nats) when the spec has no replicates
+    law: str = "chinchilla"  # whose value is the prediction: chinchilla | compute | curve
 
 
 @dataclass(frozen=True)
 class Rung:
-    """One run of the ladder (a rung or the target) and what it costs."""
+    """One run of the ladder (a rung's replicate, a cooldown branch, an lr probe, the target)."""
 
-    name: str
+    name: str  # its run directory
     config: Config
+    point: str = ""  # the (N, D) point it measures; replicates share it ("" = its name)
+    parent: str | None = None  # a branch: the run whose checkpoint it starts from
+    branch_step: int = 0  # ... and that checkpoint's step (where the decay starts)
 
     @property
     def tokens(self) -> int:
@@ -66,25 +84,42 @@ class Rung:
     def total_params(self) -> int:
         return total_params(self.config)
 
+    @property
+    def seed(self) -> int:
+        return self.config.train.seed
+
     def summary(self) -> dict[str, Any]:
         m, moe = self.config.model, self.config.moe
-        return {"name": self.name, "d_model": m.d_model, "n_layers": m.n_layers,
+        return {"name": self.name, "point": self.point or self.name, "seed": self.seed,
+                "parent": self.parent, "branch_step": self.branch_step,
+                "d_model": m.d_model, "n_layers": m.n_layers,
                 "n_experts": moe.n_experts, "top_k": moe.top_k, "d_ff": m.d_ff,
-                "steps": self.config.train.steps, "active_params": self.active_params,
-                "total_params": self.total_params, "tokens": self.tokens,
-                "compute": self.compute}
+                "steps": self.config.train.steps, "batch_size": self.config.data.batch_size,
+                "lr": self.config.optim.lr, "warmup_steps": self.config.optim.warmup_steps,
+                "active_params": self.active_params, "total_params": self.total_params,
+                "tokens": self.tokens, "compute": self.compute}
 
 
 @dataclass(frozen=True)
 class LadderSpec:
     name: str
     out: Path
-    rungs: tuple[Rung, ...]
+    rungs: tuple[Rung, ...]  # every run the fit uses: replicates and branches included
     target: Rung
     fit: FitOptions
+    lr_runs: tuple[Rung, ...] = ()  # the learning-rate check's extra runs
+    evals: int = 10
 
     def runs(self) -> tuple[Rung, ...]:
-        return (*self.rungs, self.target)
+        """In training order: a branch after its parent, the target last."""
+        return (*self.rungs, *self.lr_runs, self.target)
+
+    def points(self) -> dict[str, list[Rung]]:
+        """{point: its replicate runs}, in spec order."""
+        out: dict[str, list[Rung]] = {}
+        for r in self.rungs:
+            out.setdefault(r.point or r.name, []).append(r)
+        return out
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +133,70 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _rung(raw: Any, base: dict[str, Any], where: str, default_name: str) -> Rung:
+def _config(raw: dict[str, Any], base: dict[str, Any], where: str, name: str) -> Config:
+    try:
+        return config_from_dict(merge(base, raw))
+    except ConfigError as err:
+        raise ConfigError(f"{where} ({name}): {err}") from err
+
+
+def _int_list(raw: Any, where: str, minimum: int = 0) -> list[int]:
+    if not isinstance(raw, list) or not raw or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in raw):
+        raise ConfigError(f"{where}: expected a non-empty list of integers >= {minimum}, "
+                          f"got {raw!r}")
+    if len(set(raw)) != len(raw):
+        raise ConfigError(f"{where}: {raw!r} lists a value twice")
+    return list(raw)
+
+
+def _ladder_fields(config: Config, evals: int, seed: int | None, checkpoint_every: int | None,
+                   where: str) -> Config:
+    """The fields the ladder owns: seeds, evaluation points and (for trunks) checkpoints."""
+    t = config.train
+    fields: dict[str, dict[str, Any]] = {"train": {"eval_every": max(t.steps // evals, 1)}}
+    if seed is not None:
+        fields["train"]["seed"] = seed
+        fields["data"] = {"seed": seed}
+    if checkpoint_every is not None:
+        fields["train"].update(checkpoint_every=checkpoint_every,
+                               keep_checkpoints=t.steps // checkpoint_every + 1)
+    try:
+        return config_from_dict(merge(config_to_dict(config), fields))
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from err
+
+
+def stable_end(config: Config) -> int:
+    """The last step of a WSD run's constant-lr phase (where its decay starts)."""
+    steps = config.train.steps
+    return steps - max(int(round(config.optim.decay_fraction * steps)), 0)
+
+
+def _branch_starts(config: Config, branches: list[int], where: str) -> dict[int, int]:
+    """{branch length: its start step}, checked against the trunk's schedule."""
+    o, steps = config.optim, config.train.steps
+    if branches and o.schedule != "wsd":
+        raise ConfigError(f"{where}.branches: cooldown branches need optim.schedule wsd, "
+                          f"got {o.schedule!r}")
+    starts = {}
+    for length in branches:
+        probe = dataclasses.replace(config, train=dataclasses.replace(config.train,
+                                                                      steps=length))
+        start = stable_end(probe)
+        if not (o.warmup_steps < start and length < steps and start <= stable_end(config)):
+            raise ConfigError(
+                f"{where}.branches: a {length}-step branch would start decaying at step "
+                f"{start}, which must lie after warmup ({o.warmup_steps}) and inside the "
+                f"rung's stable phase (up to step {stable_end(config)} of {steps}); "
+                "choose shorter branches or a longer rung")
+        starts[length] = start
+    return starts
+
+
+def _expand_rung(raw: Any, base: dict[str, Any], where: str, default_name: str,
+                 seeds: list[int] | None, evals: int) -> list[Rung]:
+    """A rung's runs: one per seed, each followed by its cooldown branches."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping of config sections, got {raw!r}")
     raw = dict(raw)
@@ -106,11 +204,28 @@ def _rung(raw: Any, base: dict[str, Any], where: str, default_name: str) -> Rung
     if not isinstance(name, str) or not NAME.match(name):
         raise ConfigError(f"{where}.name: {name!r} must be a plain directory name "
                           "(letters, digits, '_', '-', '.')")
-    try:
-        config = config_from_dict(merge(base, raw))
-    except ConfigError as err:
-        raise ConfigError(f"{where} ({name}): {err}") from err
-    return Rung(name, config)
+    if "seeds" in raw:
+        seeds = _int_list(raw.pop("seeds"), f"{where}.seeds")
+    branches = _int_list(raw.pop("branches"), f"{where}.branches", 1) if "branches" in raw else []
+    bad = sorted(k for k, v in raw.items() if not isinstance(v, dict))
+    if bad:
+        raise ConfigError(f"{where} ({name}): {bad} must be config sections (mappings); "
+                          f"a rung's other keys are {sorted(RUNG_KEYS)}")
+    config = _config(raw, base, where, name)
+    starts = _branch_starts(config, sorted(branches), f"{where} ({name})")
+    every = math.gcd(*starts.values(), max(config.train.steps // evals, 1)) if starts else None
+    runs = []
+    for seed in seeds or [None]:
+        suffix = "" if seeds is None else f"-s{seed}"
+        trunk = Rung(name + suffix, _ladder_fields(config, evals, seed, every, where), name)
+        runs.append(trunk)
+        for length, start in starts.items():
+            point = f"{name}-b{length}"
+            branch = dataclasses.replace(trunk.config, train=dataclasses.replace(
+                trunk.config.train, steps=length))
+            runs.append(Rung(point + suffix, _ladder_fields(branch, evals, seed, None, where),
+                             point, trunk.name, start))
+    return runs
 
 
 def _fit_options(raw: Any) -> FitOptions:
@@ -127,36 +242,65 @@ def _fit_options(raw: Any) -> FitOptions:
         raise ConfigError(f"fit.bootstrap: must be an integer >= 10, got {options.bootstrap!r}")
     if not 0 < options.confidence < 1:
         raise ConfigError(f"fit.confidence: must be in (0, 1), got {options.confidence!r}")
+    laws = ("chinchilla", "compute", "curve")
+    if options.law not in laws:
+        raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
+    if options.noise_sd is not None and not (
+            isinstance(options.noise_sd, int | float) and options.noise_sd > 0):
+        raise ConfigError(f"fit.noise_sd: must be a number > 0, got {options.noise_sd!r}")
     return options
 
 
+def _lr_runs(raw: Any, rungs: tuple[Rung, ...]) -> tuple[Rung, ...]:
+    """lr_check: each named rung's first seed again at lr * factor (no branches)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or set(raw) != {"rungs", "factors"}:
+        raise ConfigError(f"lr_check: expected {{rungs: [names], factors: [numbers]}}, "
+                          f"got {raw!r}")
+    factors = raw["factors"]
+    if not isinstance(factors, list) or not factors or not all(
+            isinstance(f, int | float) and f > 0 and f != 1 for f in factors):
+        raise ConfigError(f"lr_check.factors: expected positive numbers other than 1, "
+                          f"got {factors!r}")
+    trunks = {}
+    for r in rungs:
+        if r.parent is None:
+            trunks.setdefault(r.point, r)
+    runs = []
+    for point in raw["rungs"] if isinstance(raw["rungs"], list) else [raw["rungs"]]:
+        if point not in trunks:
+            raise ConfigError(f"lr_check.rungs: {point!r} is not a rung; rungs are "
+                              f"{sorted(trunks)}")
+        for f in factors:
+            cfg = trunks[point].config
+            cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
+                                                                     lr=cfg.optim.lr * f))
+            runs.append(Rung(f"{point}-lr{f:g}", cfg, f"{point}-lr{f:g}"))
+    return tuple(runs)
+
+
 def validate_compute(rungs: tuple[Rung, ...], target: Rung) -> None:
-    """Rungs strictly rising in compute; the target at least MIN_TARGET_RATIO x beyond them."""
-    if len(rungs) < MIN_RUNGS:
-        raise ConfigError(f"rungs: the law L(C) = E + A*C^-alpha has 3 parameters and needs at "
-                          f"least {MIN_RUNGS} rungs (4 or more recommended), got {len(rungs)}")
+    """Enough distinct points; unique names; the target MIN_TARGET_RATIO x beyond every rung."""
     names = [r.name for r in (*rungs, target)]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"rungs: names {duplicates} are used twice; each run needs its own "
                           "directory, rename them")
-    for i, (lower, upper) in enumerate(zip(rungs, rungs[1:], strict=False), start=1):
-        if upper.compute <= lower.compute:
-            raise ConfigError(
-                f"rungs[{i}] ({upper.name}): compute {upper.compute:.3g} FLOPs is not above "
-                f"rungs[{i - 1}] ({lower.name})'s {lower.compute:.3g}; order the rungs by "
-                "strictly rising compute (C = flops_per_token * steps * batch_size * seq_len)")
-    low, high = rungs[0].compute, rungs[-1].compute
-    if target.compute <= high:
-        inside = "inside" if target.compute >= low else "below"
-        raise ConfigError(
-            f"target ({target.name}): compute {target.compute:.3g} FLOPs lies {inside} the rung "
-            f"range [{low:.3g}, {high:.3g}]; a ladder predicts a larger run, so give the target "
-            f"at least {MIN_TARGET_RATIO:g}x the largest rung's compute")
+    points = {r.point or r.name for r in rungs}
+    if len(points) < MIN_POINTS:
+        raise ConfigError(f"rungs: the law L(C) = E + A*C^-alpha has 3 parameters and needs at "
+                          f"least {MIN_POINTS} distinct points (rungs or branches), got "
+                          f"{len(points)}")
+    if len({round(math.log(r.compute), 3) for r in rungs}) < 2:
+        raise ConfigError("rungs: every rung has the same compute; a ladder needs at least "
+                          "two compute levels to extrapolate from")
+    top = max(rungs, key=lambda r: r.compute)
+    high = top.compute
     if target.compute < MIN_TARGET_RATIO * high:
         raise ConfigError(
             f"target ({target.name}): compute {target.compute:.3g} FLOPs is only "
-            f"{target.compute / high:.2f}x the largest rung ({rungs[-1].name}, {high:.3g}); it "
+            f"{target.compute / high:.2f}x the largest rung ({top.name}, {high:.3g}); it "
             f"must be at least {MIN_TARGET_RATIO:g}x: raise the target's train.steps or size, "
             "or shrink the rungs")
 
@@ -173,16 +317,33 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
     base = raw.get("base") or {}
     if not isinstance(base, dict) or not all(isinstance(v, dict) for v in base.values()):
         raise ConfigError("base: expected a mapping of config sections (model, data, ...)")
+    evals = raw.get("evals", 10)
+    if not isinstance(evals, int) or isinstance(evals, bool) or not 1 <= evals <= 100:
+        raise ConfigError(f"evals: evaluation points per run, an integer in [1, 100], "
+                          f"got {evals!r}")
+    seeds = _int_list(raw["seeds"], "seeds") if "seeds" in raw else None
     rungs_raw = raw.get("rungs")
     if not isinstance(rungs_raw, list):
         raise ConfigError("rungs: expected a list of rungs, each a mapping of config sections")
     if "target" not in raw:
         raise ConfigError("target: missing; the ladder needs one target run to predict")
-    rungs = tuple(_rung(r, base, f"rungs[{i}]", f"rung{i + 1}") for i, r in enumerate(rungs_raw))
-    target = _rung(raw["target"], base, "target", "target")
+    rungs = tuple(run for i, r in enumerate(rungs_raw)
+                  for run in _expand_rung(r, base, f"rungs[{i}]", f"rung{i + 1}", seeds, evals))
+    target_raw = raw["target"]
+    if not isinstance(target_raw, dict):
+        raise ConfigError(f"target: expected a mapping of config sections, got {target_raw!r}")
+    target_raw = dict(target_raw)
+    target_name = target_raw.pop("name", "target")
+    if not isinstance(target_name, str) or not NAME.match(target_name):
+        raise ConfigError(f"target.name: {target_name!r} must be a plain directory name")
+    target_cfg = _config(target_raw, base, "target", target_name)
+    target = Rung(target_name, _ladder_fields(target_cfg, evals, seeds[0] if seeds else None,
+                                              None, "target"), target_name)
     validate_compute(rungs, target)
+    lr_runs = _lr_runs(raw.get("lr_check"), rungs)
     return LadderSpec(name=name, out=Path(out or raw.get("out") or Path("runs/ladder") / name),
-                      rungs=rungs, target=target, fit=_fit_options(raw.get("fit")))
+                      rungs=rungs, target=target, fit=_fit_options(raw.get("fit")),
+                      lr_runs=lr_runs, evals=evals)
 
 
 def load_spec(path: str | Path, out: str | Path | None = None) -> LadderSpec:

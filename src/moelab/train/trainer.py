@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -63,11 +64,16 @@ def build_model(cfg: Config, mesh):
     return model
 
 
+# model -> {"val_loss/<source>": loss}: replaces the sampled validation (the ladder's
+# whole-val-split score, so every run's curve is measured on the same text)
+Evaluator = Callable[[object], dict[str, float]]
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, experiment: str | None = None,
                  allow_config_change: bool = False, stop: StopRequest | None = None,
-                 match_experiment: bool = False):
-        self.cfg, self.run_dir = cfg, run_dir
+                 match_experiment: bool = False, evaluator: Evaluator | None = None):
+        self.cfg, self.run_dir, self.evaluator = cfg, run_dir, evaluator
         self.stop = stop if stop is not None else StopRequest()
         # Before anything is written: a refused config leaves the run dir as it was.
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
@@ -142,6 +148,8 @@ class Trainer:
         raise DivergenceError(message)
 
     def evaluate(self) -> dict[str, float]:
+        if self.evaluator is not None:
+            return self.evaluator(self.model)
         out = {}
         for source, loader in self.val.items():
             losses = [float(self.eval_step(self.model, self._on_mesh(loader.batch(i))))
@@ -243,17 +251,19 @@ class Trainer:
 
 
 def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
-          allow_config_change: bool = False, match_experiment: bool = False) -> dict:
+          allow_config_change: bool = False, match_experiment: bool = False,
+          evaluator: Evaluator | None = None) -> dict:
     """Train (or resume) the run in `run_dir`; returns the last step's metrics.
 
     Holds the run dir's lock throughout (a second trainer is refused) and turns
     SIGTERM/SIGINT into a checkpoint and `errors.Interrupted`. `match_experiment`: the
     config must be the experiment's snapshot (`moelab train --experiment`; a ladder's
-    experiment holds many rungs' configs, so it does not ask for this).
+    experiment holds many rungs' configs, so it does not ask for this). `evaluator`
+    replaces the sampled validation (the ladder scores the whole val split).
     """
     try:
         with RunDirLock(Path(run_dir)), StopRequest() as stop:
             return Trainer(cfg, Path(run_dir), experiment, allow_config_change, stop,
-                           match_experiment).run()
+                           match_experiment, evaluator).run()
     except FileNotFoundError as err:
         raise UserError(str(err)) from err

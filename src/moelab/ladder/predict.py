@@ -1,0 +1,325 @@
+"""From the rungs' results to everything the pre-registration states about the target.
+
+- points: replicates of one (N, D) averaged; their spread pooled into the per-run seed sd.
+- the final loss from three laws: L(N, D) (Chinchilla approach 3), L(C) on the IsoFLOP
+  minima, and the schedule-aware curve law at the target's last step; `fit.law` names the
+  one whose value is *the* prediction. Each gets a parametric-bootstrap interval from the
+  measured seed noise (the target's own included) and a leave-one-compute-level-out
+  backtest; parameters that end on a bound are flagged.
+- the whole curve: the curve law at each of the target's evaluation steps, with intervals.
+- stability: the rungs' late grad norm and output log-normalizer vs compute, extrapolated
+  to the target and compared with GRAD_NORM_LIMIT.
+- the learning-rate check: each probed rung's loss at lr * factor beside its own lr.
+`compare` then scores a finished target against the record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from moelab.ladder.curve import schedule_areas
+from moelab.ladder.fit import (
+    FitError,
+    chinchilla_theta,
+    compute_levels,
+    curve_theta,
+    fit_chinchilla,
+    fit_curve,
+    fit_power_law,
+    isoflop_minima,
+    parametric_interval,
+    power_law_refit,
+)
+from moelab.ladder.runner import FINAL_LOSS, RunResult
+from moelab.ladder.spec import LadderSpec, Rung
+
+GRAD_NORM_LIMIT = 4.0  # the public record's long ladder runs passed it before logit z-loss
+SECONDARY_BOOTSTRAP = 200  # refits for the laws that are not the pre-registered one
+
+
+def point_table(spec: LadderSpec, results: list[RunResult]) -> list[dict[str, Any]]:
+    """One row per (N, D) point: its replicates' final losses, mean and sd."""
+    by_name = {r.name: r for r in results}
+    rows = []
+    for point, runs in spec.points().items():
+        losses = [by_name[r.name].final_val_loss for r in runs]
+        first = runs[0]
+        rows.append({"point": point, "runs": [r.name for r in runs],
+                     "seeds": [r.seed for r in runs], "losses": losses,
+                     "mean": float(np.mean(losses)),
+                     "sd": float(np.std(losses, ddof=1)) if len(losses) > 1 else None,
+                     "active_params": first.active_params, "tokens": first.tokens,
+                     "compute": first.compute, "branch_of": first.parent})
+    return rows
+
+
+def pooled_sd(groups: list[list[float]]) -> tuple[float | None, int]:
+    """(sqrt of the dof-weighted mean variance over groups with >= 2 values, its dof)."""
+    dof = sum(len(g) - 1 for g in groups if len(g) > 1)
+    if dof == 0:
+        return None, 0
+    ss = sum(float(np.var(g, ddof=0)) * len(g) for g in groups if len(g) > 1)
+    return math.sqrt(ss / dof), dof
+
+
+def _curve_points(spec: LadderSpec, results: list[RunResult]) -> dict[str, list]:
+    """Every evaluation after warmup, averaged over a point's replicates: N, S1, q, loss,
+    and the replicates' values (for the per-evaluation noise)."""
+    by_name = {r.name: r for r in results}
+    out: dict[str, list] = {"n": [], "s1": [], "q": [], "loss": [], "groups": [], "level": []}
+    for runs in spec.points().values():
+        cfg = runs[0].config
+        s1, q = schedule_areas(cfg)
+        steps: dict[int, list[float]] = {}
+        for r in runs:
+            for e in by_name[r.name].curve:
+                if e["step"] > cfg.optim.warmup_steps:
+                    steps.setdefault(int(e["step"]), []).append(e["loss"])
+        for step, losses in sorted(steps.items()):
+            out["n"].append(runs[0].active_params)
+            out["s1"].append(s1[step])
+            out["q"].append(q[step])
+            out["loss"].append(float(np.mean(losses)))
+            out["groups"].append(losses)
+            out["level"].append(runs[0].compute)
+    return out
+
+
+def _target_areas(target: Rung) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The target's evaluation steps (as the trainer will score them) and S1, q there."""
+    t = target.config.train
+    steps = sorted({*range(t.eval_every, t.steps + 1, t.eval_every), t.steps})
+    steps = [s for s in steps if s > target.config.optim.warmup_steps]
+    s1, q = schedule_areas(target.config)
+    return np.array(steps), s1[steps], q[steps]
+
+
+def forecast(spec: LadderSpec, results: list[RunResult],
+             lr_results: list[RunResult]) -> dict[str, Any]:
+    """The pre-registration's content (all but bookkeeping): see the module docstring."""
+    rows = point_table(spec, results)
+    target, options = spec.target, spec.fit
+    curve = _curve_points(spec, results)
+    seed_sd, dof = pooled_sd([r["losses"] for r in rows])
+    eval_sd, eval_dof = pooled_sd(curve["groups"])
+    if seed_sd is None:
+        if options.noise_sd is None:
+            raise FitError("the spec has no seed replicates (`seeds: [..]`) and no "
+                           "fit.noise_sd, so the interval would have no measured noise; add "
+                           "seeds, or state fit.noise_sd from an earlier measurement")
+        seed_sd = eval_sd = options.noise_sd
+    noise = {"seed_sd": seed_sd, "dof": dof, "eval_sd": eval_sd, "eval_dof": eval_dof,
+             "source": ("pooled over the rungs' replicates" if dof else
+                        "fit.noise_sd from the spec (no replicates)"),
+             "target_sd": seed_sd,
+             "target_sd_note": "the target's own seed noise is taken as the rungs' pooled sd "
+                               "(seed noise fell with tokens trained in moelab's measurements, "
+                               "so this is conservative for a longer target)"}
+    n = np.array([r["active_params"] for r in rows], float)
+    d = np.array([r["tokens"] for r in rows], float)
+    c = np.array([r["compute"] for r in rows], float)
+    y = np.array([r["mean"] for r in rows], float)
+    point_sd = seed_sd / np.sqrt([len(r["losses"]) for r in rows])
+    levels = compute_levels(c)
+    steps, t_s1, t_q = _target_areas(target)
+    cn, cs1, cq, cy = (np.array(curve[k], float) for k in ("n", "s1", "q", "loss"))
+    curve_sd = np.full(len(cy), eval_sd) / np.sqrt([len(g) for g in curve["groups"]])
+    curve_levels = compute_levels(np.array(curve["level"]))
+    tn, td, tc = target.active_params, target.tokens, target.compute
+    laws: dict[str, Any] = {}
+
+    def samples(name: str) -> int:
+        return options.bootstrap if name == options.law else min(options.bootstrap,
+                                                                 SECONDARY_BOOTSTRAP)
+
+    def bootstrap(name: str, refit, fitted, sd, value) -> dict:
+        return parametric_interval(refit, fitted, sd, seed_sd, value, samples(name),
+                                   options.confidence, options.seed).to_dict()
+
+    # L(N, D): approach 3 on the points' means
+    try:
+        nd = fit_chinchilla(n, d, y)
+        start = chinchilla_theta(nd)
+
+        def nd_refit(y_star):
+            return float(fit_chinchilla(n, d, y_star, start).predict(tn, td))
+
+        laws["chinchilla"] = {
+            "fit": nd.to_dict(), "value": float(nd.predict(tn, td)),
+            "interval": bootstrap("chinchilla", _safe(nd_refit), nd.predict(n, d), point_sd,
+                                  float(nd.predict(tn, td))),
+            "backtest": _backtest(levels, y, lambda m: fit_chinchilla(
+                n[m], d[m], y[m], start).predict(n[~m], d[~m]))}
+    except FitError as err:
+        laws["chinchilla"] = {"skipped": str(err)}
+    # L(C) on the IsoFLOP minima
+    try:
+        minima = isoflop_minima(c, y)
+        pc = fit_power_law(c[minima], y[minima])
+        laws["compute"] = {
+            "fit": pc.to_dict(), "value": float(pc.predict(tc)), "points": minima,
+            "interval": bootstrap("compute", power_law_refit(pc, c[minima], tc),
+                                  pc.predict(c[minima]), point_sd[minima],
+                                  float(pc.predict(tc)))}
+    except FitError as err:
+        laws["compute"] = {"skipped": str(err)}
+    # the curve law on every evaluation point, predicted at every target evaluation
+    try:
+        cf = fit_curve(cn, cs1, cq, cy)
+        cstart = curve_theta(cf)
+        path = cf.predict(tn, t_s1, t_q)
+
+        def curve_refit(y_star):
+            return fit_curve(cn, cs1, cq, y_star, cstart).predict(tn, t_s1, t_q)
+
+        band = _curve_band(_safe(curve_refit), cf.predict(cn, cs1, cq), curve_sd, eval_sd,
+                           samples("curve"), options.confidence, options.seed)
+        laws["curve"] = {
+            "fit": cf.to_dict(), "value": float(path[-1]),
+            "interval": {"low": min(float(band[0][-1]), float(path[-1])),
+                         "high": max(float(band[1][-1]), float(path[-1])),
+                         "confidence": options.confidence,
+                         "method": "parametric bootstrap of the curve law: every evaluation "
+                                   "point redrawn with the pooled per-evaluation seed sd "
+                                   f"{eval_sd:.4f} / sqrt(replicates), the target's seed sd "
+                                   "added"},
+            "points": [{"step": int(s), "tokens": int(s) * target.config.data.batch_size
+                        * target.config.data.seq_len, "predicted": float(p),
+                        "low": float(lo), "high": float(hi)}
+                       for s, p, lo, hi in zip(steps, path, *band, strict=True)],
+            "backtest": _backtest(curve_levels, cy, lambda m: fit_curve(
+                cn[m], cs1[m], cq[m], cy[m], cstart).predict(cn[~m], cs1[~m], cq[~m]))}
+    except FitError as err:
+        laws["curve"] = {"skipped": str(err)}
+    law = options.law
+    if "value" not in laws[law]:
+        raise FitError(f"the pre-registered law {law!r} could not be fitted: "
+                       f"{laws[law]['skipped']}")
+    chosen = laws[law]
+    prediction = {"value": chosen["value"], "low": chosen["interval"]["low"],
+                  "high": chosen["interval"]["high"], "confidence": options.confidence,
+                  "method": chosen["interval"]["method"], "law": law,
+                  "at_bound": chosen["fit"].get("at_bound", []), "metric": FINAL_LOSS,
+                  "compute": tc}
+    return {"prediction": prediction, "laws": laws, "points": rows, "noise": noise,
+            "stability": _stability_forecast(spec, results),
+            "lr_check": _lr_check(spec, results, lr_results),
+            "fit_options": asdict(options)}
+
+
+def _safe(refit: Callable) -> Callable:
+    """A refit that returns None instead of raising when a resample does not converge."""
+    def run(y):
+        try:
+            return refit(y)
+        except FitError:
+            return None
+
+    return run
+
+
+def _curve_band(refit, fitted, sd, target_sd, samples, confidence, seed):
+    rng = np.random.default_rng(seed)
+    paths = [p for p in (refit(fitted + sd * rng.standard_normal(len(fitted)))
+                         for _ in range(samples)) if p is not None]
+    if len(paths) < samples / 2:
+        raise FitError(f"only {len(paths)} of {samples} curve refits converged")
+    paths = np.array(paths) + target_sd * rng.standard_normal((len(paths), 1))
+    tail = (1 - confidence) / 2 * 100
+    return np.percentile(paths, tail, axis=0), np.percentile(paths, 100 - tail, axis=0)
+
+
+def _backtest(levels: np.ndarray, y: np.ndarray, fit_predict: Callable) -> list[dict]:
+    """Leave each compute level out: fit the rest, predict its points' (mean) losses."""
+    out = []
+    for level in range(int(levels.max()) + 1):
+        held = levels == level
+        try:
+            pred = np.asarray(fit_predict(~held), float)
+        except FitError as err:
+            out.append({"level": level, "skipped": str(err)})
+            continue
+        errors = (pred - y[held]) / y[held]
+        out.append({"level": level, "points": int(held.sum()),
+                    "mean_abs_rel_error": float(np.mean(np.abs(errors))),
+                    "mean_rel_error": float(np.mean(errors))})
+    return out
+
+
+def _stability_forecast(spec: LadderSpec, results: list[RunResult]) -> dict[str, Any]:
+    """log(grad norm) and log(logit z) linear in log C over the trunks, at the target."""
+    trunks = [r for r in results if r.stability and r.point in
+              {p for p, runs in spec.points().items() if runs[0].parent is None}]
+    by_point: dict[str, list[RunResult]] = {}
+    for r in trunks:
+        by_point.setdefault(r.point, []).append(r)
+    if len(by_point) < 2:
+        return {"skipped": "fewer than two rung trunks with grad-norm records"}
+    c = np.log([runs[0].compute for runs in by_point.values()])
+    out: dict[str, Any] = {"limit": GRAD_NORM_LIMIT, "compute": spec.target.compute,
+                           "window": "last 10% of the stable phase (median)"}
+    for key in ("grad_norm", "grad_norm_peak", "logit_z"):
+        v = np.log([np.mean([r.stability[key] for r in runs]) for runs in by_point.values()])
+        slope, intercept = np.polyfit(c, v, 1)
+        out[key] = {"slope_per_log_compute": float(slope),
+                    "predicted": float(np.exp(intercept + slope * math.log(
+                        spec.target.compute))),
+                    "rungs": [float(np.exp(x)) for x in v]}
+    out["expect_grad_norm_above_limit"] = out["grad_norm_peak"]["predicted"] > GRAD_NORM_LIMIT
+    return out
+
+
+def _lr_check(spec: LadderSpec, results: list[RunResult],
+              lr_results: list[RunResult]) -> dict[str, Any]:
+    """Per probed rung: its loss at its lr (first seed) and at each probed lr."""
+    if not lr_results:
+        return {"skipped": "the spec has no lr_check"}
+    by_name = {r.name: r for r in results}
+    probes: dict[str, dict] = {}
+    for rung, res in zip(spec.lr_runs, lr_results, strict=True):
+        point = rung.name.rsplit("-lr", 1)[0]
+        base = next(r for r in spec.rungs if r.point == point and r.parent is None)
+        entry = probes.setdefault(point, {"lr": base.config.optim.lr, "loss":
+                                          by_name[base.name].final_val_loss, "probes": {}})
+        entry["probes"][f"{rung.config.optim.lr:.6g}"] = res.final_val_loss
+    for entry in probes.values():
+        entry["best_lr"] = min([(entry["loss"], entry["lr"]),
+                                *((v, float(k)) for k, v in entry["probes"].items())])[1]
+        entry["own_lr_is_best"] = entry["best_lr"] == entry["lr"]
+    return probes
+
+
+def compare(record: dict[str, Any], actual: RunResult) -> dict[str, Any]:
+    """The finished target against the record: final, per law, per evaluation, stability."""
+    y = actual.final_val_loss
+    p = record["prediction"]
+    laws = {name: {"value": law["value"], "relative_error": (law["value"] - y) / y,
+                   "within_interval": law["interval"]["low"] <= y <= law["interval"]["high"]}
+            for name, law in record["laws"].items() if "value" in law}
+    out: dict[str, Any] = {"relative_error": (p["value"] - y) / y,
+                           "within_interval": p["low"] <= y <= p["high"], "laws": laws}
+    curve = record["laws"].get("curve", {})
+    actual_at = {int(e["step"]): e["loss"] for e in actual.curve}
+    rows = [{**pt, "actual": actual_at[pt["step"]],
+             "relative_error": (pt["predicted"] - actual_at[pt["step"]]) / actual_at[pt["step"]]}
+            for pt in curve.get("points", []) if pt["step"] in actual_at]
+    out["curve"] = rows
+    out["curve_median_abs_rel_error"] = (float(np.median([abs(r["relative_error"])
+                                                          for r in rows])) if rows else None)
+    forecast_ = record.get("stability", {})
+    if "grad_norm_peak" in forecast_ and actual.stability:
+        out["stability"] = {
+            "predicted_grad_norm_peak": forecast_["grad_norm_peak"]["predicted"],
+            "actual_grad_norm_peak": actual.stability["grad_norm_peak"],
+            "predicted_grad_norm": forecast_["grad_norm"]["predicted"],
+            "actual_grad_norm": actual.stability["grad_norm"],
+            "predicted_logit_z": forecast_["logit_z"]["predicted"],
+            "actual_logit_z": actual.stability["logit_z"],
+            "expected_above_limit": forecast_["expect_grad_norm_above_limit"],
+            "above_limit": actual.stability["grad_norm_peak"] > forecast_["limit"]}
+    return out
