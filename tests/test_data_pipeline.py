@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -255,3 +256,15 @@ def test_default_corpus_is_two_real_sources(tmp_path):
                for s in meta["sources"])
     assert ensure_default_corpus(path) == path  # complete: not prepared again
     Loader(path, seq_len=128, batch_size=8).batch(0)
+
+
+def test_named_pipes_and_directories_matched_by_a_glob_are_skipped(tmp_path):
+    """A FIFO matched by a source glob would block its reader forever; it is not a document."""
+    from moelab.data.ingest import find_files
+
+    (tmp_path / "a.txt").write_text("text")
+    os.mkfifo(tmp_path / "pipe.txt")
+    (tmp_path / "dir.txt").mkdir()
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "missing")  # reported later as unreadable
+    assert find_files([str(tmp_path / "*.txt")]) == [str(tmp_path / "a.txt"),
+                                                     str(tmp_path / "gone.txt")]

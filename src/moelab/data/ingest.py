@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import os
 import re
+import stat
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,14 @@ def source_globs(sources: dict[str, str | list[str]]) -> dict[str, list[str]]:
     return {name: [p] if isinstance(p, str) else list(p) for name, p in sources.items()}
 
 
+def is_document(path: str) -> bool:
+    """A regular file, or a broken link (kept, to be reported as unreadable). Not a
+    directory, nor a named pipe, socket or device: reading those blocks or never ends."""
+    if not os.path.exists(path):
+        return True
+    return stat.S_ISREG(os.stat(path).st_mode)
+
+
 def find_files(patterns: list[str]) -> list[str]:
     """Sorted files matching the patterns; a pattern starting with '!' excludes
     (fnmatch, where '*' also crosses '/': "!*/test/*")."""
@@ -65,7 +74,7 @@ def find_files(patterns: list[str]) -> list[str]:
         for pattern in patterns
         if not pattern.startswith("!")
         for path in glob.glob(os.path.expanduser(pattern), recursive=True)
-        if not os.path.isdir(path)  # broken links stay, to be reported as unreadable
+        if is_document(path)
     }
     return sorted(p for p in found if not any(fnmatch.fnmatch(p, x) for x in excludes))
 
