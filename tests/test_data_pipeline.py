@@ -268,3 +268,27 @@ def test_named_pipes_and_directories_matched_by_a_glob_are_skipped(tmp_path):
     (tmp_path / "gone.txt").symlink_to(tmp_path / "missing")  # reported later as unreadable
     assert find_files([str(tmp_path / "*.txt")]) == [str(tmp_path / "a.txt"),
                                                      str(tmp_path / "gone.txt")]
+
+
+@pytest.mark.parametrize("sources,advice", [
+    (["only"], "re-prepare with a larger --val-fraction"),  # no other source to weight
+    (["short", "long"], "give them weight 0 in data.mixture"),
+])
+def test_a_too_short_split_gets_advice_that_can_work(tmp_path, sources, advice):
+    """Zero mixture weight is a fix only when another source is left to draw from."""
+    import json
+
+    import numpy as np
+
+    from moelab.data.loader import Loader
+
+    lengths = {"only": 10, "short": 10, "long": 1000}
+    for s in sources:
+        for split in ("train", "val"):
+            np.save(tmp_path / f"{s}.{split}.npy", np.zeros(lengths[s], np.uint16))
+    tokens = {s: lengths[s] for s in sources}
+    (tmp_path / "meta.json").write_text(json.dumps(
+        {"vocab_size": 512, "eos_id": 0, "sources": sources, "train_tokens": tokens,
+         "val_tokens": tokens}))
+    with pytest.raises(UserError, match=advice):
+        Loader(tmp_path, "val", seq_len=32)

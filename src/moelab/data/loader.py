@@ -74,9 +74,14 @@ class Loader:
         too_short = [s for s, w, n in zip(self.sources, self.weights, self.windows, strict=True)
                      if w > 0 and n == 0]
         if too_short:
+            used = [s for s, w in zip(self.sources, self.weights, strict=True) if w > 0]
+            # Zero weights cannot help when every source in use is too short (one source).
+            other = ("re-prepare with a larger --val-fraction or more documents" if
+                     split == "val" else "re-prepare with more documents")
+            fix = other if set(too_short) == set(used) else "give them weight 0 in data.mixture"
             raise UserError(
                 f"the {split} split of source(s) {too_short} has fewer than seq_len + 1 = "
-                f"{seq_len + 1} tokens; lower data.seq_len or give them weight 0 in data.mixture"
+                f"{seq_len + 1} tokens; lower data.seq_len or {fix}"
             )
         self.step = 0
 
