@@ -165,3 +165,16 @@ def test_resume_restores_the_bias_bitwise(tmp_path, small_corpus):
     # The sign rule can swing a bias back to 0 (+rate, then -rate), so ask that it moved at
     # some step, not at the last one.
     assert max(r["bias_range/layer_1"] for r in rows) > 0 and "router_entropy/layer_0" in rows[-1]
+
+
+def test_bfloat16_compute_keeps_the_selection_bias_in_float32():
+    """A bias step of 1e-3 on a score near 0.5 is below bfloat16's resolution (2^-9 there):
+    cast, it would not change the choice it was moved to change."""
+    from moelab.train.step import cast_floats
+
+    model, _ = tiny_biased("bias_sign")
+    model = eqx.tree_at(lambda m: m.moe_layers.ffn.bias, model, jnp.full((2, 4), 1e-3))
+    cast = cast_floats(model, jnp.bfloat16)
+    assert cast.moe_layers.ffn.router.dtype == jnp.bfloat16
+    assert cast.moe_layers.ffn.bias.dtype == jnp.float32
+    np.testing.assert_array_equal(cast.moe_layers.ffn.bias, model.moe_layers.ffn.bias)

@@ -46,6 +46,15 @@ def without_bias(tree):
                        [None] * len(layers))
 
 
+def with_biases_of(source, tree):
+    """`tree` with its selection biases taken from `source` (same structure)."""
+    layers = _biased(source)
+    if not layers:
+        return tree
+    return eqx.tree_at(lambda t: [layer.bias for layer in _biased(t)], tree,
+                       [layer.bias for layer in layers])
+
+
 def sign_rule(bias: Array, load: Array, rate: float) -> Array:
     """bias += rate * sign(mean_load - load), zero-meaned over experts (last axis)."""
     new = bias + rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load)

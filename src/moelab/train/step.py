@@ -16,13 +16,16 @@ import optax
 
 from moelab.config import Config
 from moelab.model import objective
-from moelab.model.balance import bias_range, update_bias
+from moelab.model.balance import bias_range, update_bias, with_biases_of
 from moelab.train.optimizer import trainable
 
 
 def cast_floats(model, dtype):
-    """The model with float arrays in the compute dtype; f32 master weights stay outside."""
-    return jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model)
+    """The model with float arrays in the compute dtype; f32 master weights stay outside.
+    The routers' selection biases stay float32: their steps (rate ~1e-3 on scores near 0.5)
+    are below bfloat16's resolution there and would vanish from the choice."""
+    cast = jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model)
+    return with_biases_of(model, cast)
 
 
 def make_loss(cfg: Config):
