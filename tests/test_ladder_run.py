@@ -13,7 +13,8 @@ from moelab import cli
 from moelab.lab.store import Store
 from moelab.ladder import prereg
 from moelab.ladder.evaluate import make_evaluator, row_losses_fn, windows
-from moelab.ladder.runner import ensure_trained, result
+from moelab.ladder.results import result
+from moelab.ladder.runner import ensure_trained
 from moelab.ladder.spec import spec_from_dict
 from moelab.train import trainer
 from moelab.train.checkpoint import load_latest

@@ -5,5 +5,7 @@ spec (YAML specs, expansion into runs, validation) -> runner (train, pre-registe
 evaluate (whole-val-split score at every eval point) -> predict (points, noise, laws,
 backtest, curve, stability, lr check) on fit (approach 3, L(C), curve law, parametric
 bootstrap) and curve (schedule areas) -> prereg (write-once record) -> report (JSON,
-Markdown, PNG). The CLI is `moelab ladder`.
+Markdown, PNG). results (each finished run's curve, loss and cost, read from its run
+directory) is what predict, report and runner share, so none imports another's
+orchestration. The CLI is `moelab ladder`.
 """

@@ -35,7 +35,7 @@ from moelab.ladder.fit import (
     parametric_interval,
     power_law_refit,
 )
-from moelab.ladder.runner import FINAL_LOSS, RunResult
+from moelab.ladder.results import FINAL_LOSS, RunResult
 from moelab.ladder.spec import LadderSpec, Rung
 
 GRAD_NORM_LIMIT = 4.0  # the public record's long ladder runs passed it before logit z-loss

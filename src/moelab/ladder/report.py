@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from moelab.ladder import prereg
 from moelab.ladder.fit import PowerLawFit
 from moelab.ladder.predict import compare
-from moelab.ladder.runner import RunResult, timings
+from moelab.ladder.results import RunResult, timings
 from moelab.ladder.spec import LadderSpec
 
 FIELDS = ("E", "A", "alpha", "C0", "rmse", "n")

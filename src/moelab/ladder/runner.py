@@ -11,134 +11,25 @@ done, and never touches their files.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-import yaml
-
-from moelab.config import ConfigError, config_from_dict, config_to_dict
-from moelab.data.loader import mixture_weights, read_meta
+from moelab.config import config_to_dict
 from moelab.errors import UserError
 from moelab.ladder import prereg
-from moelab.ladder.spec import LadderSpec, Rung, stable_end
-from moelab.train.metrics import JsonlLog
-from moelab.train.rundir import CONFIG_FILE, METRICS_FILE
-
-FINAL_LOSS = ("cross-entropy (nats/token) of the final model over every window of the "
-              "validation split, averaged over data sources with the training mixture's weights")
-TIMINGS_FILE = "timings.json"
-VAL_PREFIX = "val_loss/"
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What a finished run contributes to the fits."""
-
-    name: str
-    point: str
-    seed: int
-    active_params: int
-    total_params: int
-    tokens: int
-    compute: float
-    final_val_loss: float
-    val_loss: dict[str, float]  # per source, over the whole val split, at the last step
-    curve: list[dict[str, float]] = field(default_factory=list)  # {step, loss} per eval
-    stability: dict[str, float] = field(default_factory=dict)  # grad norm, logit z
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def run_dir(spec: LadderSpec, rung: Rung) -> Path:
-    return spec.out / rung.name
-
-
-def metrics(path: Path) -> list[dict]:
-    return JsonlLog(path / METRICS_FILE).read()
-
-
-def is_finished(rung: Rung, path: Path) -> bool:
-    records = metrics(path)
-    return bool(records) and records[-1].get("step") == rung.config.train.steps and any(
-        k.startswith(VAL_PREFIX) for k in records[-1])
-
-
-def check_run_dir(rung: Rung, path: Path) -> None:
-    """Refuse to resume or reuse a run directory that holds another config's run."""
-    saved = path / CONFIG_FILE
-    if not saved.exists():
-        return
-    raw = yaml.safe_load(saved.read_text())
-    try:
-        same = config_from_dict(raw) == rung.config
-    except ConfigError:
-        same = False
-    if not same:
-        now = config_to_dict(rung.config)
-        changed = sorted(f"{section}.{k}" for section, fields in now.items()
-                         for k, v in fields.items() if (raw.get(section) or {}).get(k) != v)
-        raise UserError(f"{path} holds a run of a different config than {rung.name}'s (changed: "
-                        f"{', '.join(changed) or 'unreadable config.yaml'}); delete that "
-                        "directory to retrain it, or run the ladder with another --out")
-
-
-def _weighted(record: dict, weights: dict[str, float]) -> float:
-    scored = {s: w for s, w in weights.items() if w > 0 and VAL_PREFIX + s in record}
-    return float(sum(w * record[VAL_PREFIX + s] for s, w in scored.items())
-                 / sum(scored.values()))
-
-
-def _stability(rung: Rung, records: list[dict]) -> dict[str, float]:
-    """Grad norm and output log-normalizer over the last 10% of the stable phase (before
-    the decay shrinks the updates), and the grad norm's largest 20-step median after warmup."""
-    end, start = stable_end(rung.config), rung.config.optim.warmup_steps
-    window = max((end - start) // 10, 1)
-    late = [r for r in records if end - window < r["step"] <= end and "grad_norm" in r]
-    after = [r["grad_norm"] for r in records if r["step"] > start and "grad_norm" in r]
-    if not late or not after:
-        return {}
-    peaks = [float(np.median(after[i : i + 20])) for i in range(0, max(len(after) - 19, 1))]
-    return {"grad_norm": float(np.median([r["grad_norm"] for r in late])),
-            "grad_norm_peak": max(peaks),
-            "logit_z": float(np.median([r["logit_z"] for r in late]))}
-
-
-def result(rung: Rung, path: Path) -> RunResult:
-    """The finished run's losses on the whole val split (mixture-weighted over sources)."""
-    records = metrics(path)
-    meta = read_meta(rung.config.data.path)
-    weights = dict(zip(meta["sources"], mixture_weights(meta, "train", rung.config.data.mixture),
-                       strict=True))
-    scored = [r for r in records if any(k.startswith(VAL_PREFIX) for k in r)]
-    last = scored[-1]
-    curve = [{"step": r["step"], "loss": _weighted(r, weights)} for r in scored]
-    return RunResult(rung.name, rung.point or rung.name, rung.seed, rung.active_params,
-                     rung.total_params, rung.tokens, rung.compute, curve[-1]["loss"],
-                     {k.removeprefix(VAL_PREFIX): float(v) for k, v in last.items()
-                      if k.startswith(VAL_PREFIX)},
-                     curve, _stability(rung, records))
-
-
-def _add_time(out: Path, name: str, wall_s: float, cpu_s: float) -> None:
-    path = out / TIMINGS_FILE
-    spent = json.loads(path.read_text()) if path.exists() else {}
-    before = spent.get(name, {"wall_s": 0.0, "cpu_s": 0.0})
-    spent[name] = {"wall_s": before["wall_s"] + wall_s, "cpu_s": before["cpu_s"] + cpu_s}
-    path.write_text(json.dumps(spent, indent=1) + "\n")
-
-
-def timings(out: Path) -> dict[str, dict[str, float]]:
-    """Per run: wall and process CPU seconds spent training and scoring it, summed over
-    `ladder run` invocations. CPU seconds count all cores, and unlike wall time do not grow
-    when other work shares the machine."""
-    path = out / TIMINGS_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
+from moelab.ladder.predict import forecast
+from moelab.ladder.report import write_report
+from moelab.ladder.results import (
+    RunResult,
+    add_time,
+    check_run_dir,
+    is_finished,
+    metrics,
+    result,
+    run_dir,
+)
+from moelab.ladder.spec import LadderSpec, Rung
 
 
 def start_branch(spec: LadderSpec, rung: Rung) -> None:
@@ -176,7 +67,7 @@ def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
     trainer.prepared_data(rung.config)
     trainer.train(rung.config, path, experiment, evaluator=make_evaluator(rung.config))
     elapsed = time.time() - started
-    _add_time(spec.out, rung.name, elapsed, time.process_time() - cpu)
+    add_time(spec.out, rung.name, elapsed, time.process_time() - cpu)
     done = result(rung, path)
     print(f"{head}: done in {elapsed:.0f}s, val_loss={done.final_val_loss:.4f}", flush=True)
     return done
@@ -188,7 +79,6 @@ def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
 def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[RunResult],
                 experiment: str | None = None) -> dict[str, Any]:
     """The pre-registration record: written now if absent, else read back and checked."""
-    from moelab.ladder.predict import forecast
 
     path = spec.out / prereg.PREREG_FILE
     hashes = config_hashes(spec)
@@ -257,7 +147,6 @@ def _register_in_lab(spec: LadderSpec, record: dict[str, Any], experiment: str) 
 
 def run_ladder(spec: LadderSpec, experiment: str | None = None) -> dict[str, Any]:
     """The whole ladder; returns the report (also written to <out>/report.json)."""
-    from moelab.ladder.report import write_report
 
     spec.out.mkdir(parents=True, exist_ok=True)
     before = spec.rungs + spec.lr_runs
@@ -283,7 +172,6 @@ def finished_rungs(spec: LadderSpec) -> tuple[list[RunResult], list[RunResult]]:
 
 def report_ladder(spec: LadderSpec) -> dict[str, Any]:
     """Rebuild the report of a ladder whose target has finished, without training."""
-    from moelab.ladder.report import write_report
 
     record = read_preregistration(spec)
     target_dir = run_dir(spec, spec.target)
