@@ -62,9 +62,9 @@ def test_tiny_ladder_end_to_end(moelab, tmp_path, small_corpus, monkeypatch):
 
     trained, train = [], trainer.train
 
-    def spy(cfg, run_dir, experiment=None, evaluator=None):  # what trains, pre-registered?
+    def spy(cfg, run_dir, experiment=None, **kw):  # what trains, pre-registered?
         trained.append((run_dir.name, registration.exists()))
-        return train(cfg, run_dir, experiment, evaluator)
+        return train(cfg, run_dir, experiment, **kw)
 
     monkeypatch.setattr(trainer, "train", spy)
 
@@ -183,7 +183,7 @@ def test_a_cooldown_branch_is_the_shorter_run(tmp_path, small_corpus):
     ensure_trained(spec, trunk, "trunk")
     branched = ensure_trained(spec, branch, "branch")
     scratch = tmp_path / "scratch"
-    trainer.train(branch.config, scratch, None, make_evaluator(branch.config))
+    trainer.train(branch.config, scratch, evaluator=make_evaluator(branch.config))
     alone = result(branch, scratch)
     assert branched.final_val_loss == pytest.approx(alone.final_val_loss, rel=1e-6)
     assert [e["step"] for e in branched.curve] == [20]  # its own evaluations: after step 16

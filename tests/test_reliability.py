@@ -67,7 +67,10 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def kinds(run: Path) -> list[tuple[str, int]]:
-    return [(e["kind"], e["step"]) for e in JsonlLog(run / EVENTS_FILE).read()]
+    """(kind, step) of the run's events, without spike flags: those follow the data's loss
+    curve (a 12-step run on a small corpus may flag one), not what these tests check."""
+    return [(e["kind"], e["step"]) for e in JsonlLog(run / EVENTS_FILE).read()
+            if e["kind"] != "spike"]
 
 
 def copy_run(clean: Path, tmp_path: Path) -> Path:

@@ -45,7 +45,8 @@ def test_sigkill_mid_run_then_rerun_resumes_with_identical_losses(tmp_path, writ
     resumed = moelab_train(config, crashed)
     assert "resumed from checkpoint at step 4" in resumed.stdout
     assert losses(crashed) == losses(clean)  # bitwise equal floats, steps 1..12
-    assert [e["kind"] for e in events(crashed)] == ["resume"]
+    # spike flags follow the loss curve (deterministic, in both runs); the rest is the resume
+    assert [e["kind"] for e in events(crashed) if e["kind"] != "spike"] == ["resume"]
 
 
 def test_supervisor_recovers_from_an_external_sigkill(tmp_path, write_config):

@@ -278,7 +278,7 @@ def _ring(
         y = yg.reshape(xs.shape)
     y = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
     # equal on every device of the group: pmax only marks the count replicated over it
-    return y, jax.tree.map(lambda a: jax.lax.pmax(a, AXIS), _psum(dropped, "data"))
+    return y, jax.tree.map(lambda a: jax.lax.pmax(a, AXIS), _psum(dropped, ("data", "fsdp")))
 
 
 def _local_slots(
