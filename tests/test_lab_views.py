@@ -287,8 +287,11 @@ def test_dashboard_logs_a_client_disconnect_as_one_line(sample_lab, capfd):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        sock = socket.create_connection(server.server_address[:2])
+        # A small receive window, set before connecting (afterwards the window is already
+        # negotiated), keeps most of plotly.min.js (~4.8 MB) unsent when the reset comes.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(server.server_address[:2])
         sock.sendall(b"GET /static/plotly.min.js HTTP/1.1\r\nHost: localhost\r\n\r\n")
         sock.recv(1024)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
