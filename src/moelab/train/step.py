@@ -85,9 +85,12 @@ class TrainStep:
     def _jit(self, params, opt_state):
         if self._jitted is None:
             layout = jax.tree.map(lambda a: a.sharding, (params, opt_state))
+            # Only a multi-device layout needs pinning; on one device out_shardings costs a
+            # lot (tiny preset on 2 CPU cores: 638 vs 283 ms a step, measured side by side).
+            many = any(len(s.device_set) > 1 for s in jax.tree.leaves(layout))
+            pinned = {"out_shardings": (*layout, None)} if many else {}
             self._jitted = jax.jit(self._step, static_argnums=1,
-                                   donate_argnums=(0, 2) if self._donate else (),
-                                   out_shardings=(*layout, None))
+                                   donate_argnums=(0, 2) if self._donate else (), **pinned)
         return self._jitted
 
     def __call__(self, model, opt_state, batch):
