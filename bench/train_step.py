@@ -30,7 +30,6 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
 
 from moelab.config import Config, load_config, replace
@@ -151,5 +150,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()

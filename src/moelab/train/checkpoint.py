@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 
 from moelab.config import Config, config_from_dict, config_to_dict
 from moelab.errors import DivergenceError, UserError
+from moelab.parallel.mesh import is_tensor  # arrays or their shapes: restore templates
 from moelab.train.rundir import CHECKPOINT_DIR, QUARANTINE_DIR
 
 INTEGRITY_FILE = "integrity.json"
@@ -47,11 +48,6 @@ SHAPE_FIELDS = {
               "n_dense_layers", "d_ff_dense", "qk_norm", "tie_embeddings"],
     "moe": ["n_experts", "top_k", "shared_expert", "d_ff_shared"],
 }
-
-
-def is_tensor(x) -> bool:
-    """An array, or the shape of one (templates for restore need no values)."""
-    return isinstance(x, jax.Array | jax.ShapeDtypeStruct)
 
 
 def shape_mismatches(saved: dict, cfg: Config) -> list[str]:
