@@ -61,6 +61,7 @@ from moelab.config import ConfigError, MoEConfig
 from moelab.model.dispatch import Dispatch, Drops, Experts
 from moelab.model.dispatch.capacity import grouped_dispatch, in_groups, local_experts
 from moelab.model.dispatch.dropless import Sorted, grouped_experts, sorted_dispatch
+from moelab.model.dispatch.grouped import inverse_permutation, permute_rows
 from moelab.model.dispatch.pooled_wave import (
     pooled_rank,
     send_plan,
@@ -210,8 +211,9 @@ def _compute_received(
     order = jnp.argsort(key, stable=True)
     s = Sorted(order=order, expert=key[order],
                group_sizes=jnp.bincount(key, length=e_loc).astype(jnp.int32))
-    out_sorted = grouped_experts(rows[order], s, experts, moe)
-    return jnp.zeros_like(rows).at[order].set(out_sorted)
+    unsort = inverse_permutation(order)
+    out_sorted = grouped_experts(permute_rows(rows, order, unsort), s, experts, moe)
+    return permute_rows(out_sorted, unsort, order)
 
 
 def _padded_rows(

@@ -1,0 +1,164 @@
+"""The CPU grouped SwiGLU: each expert's run of sorted rows as a few large 2-D matmuls.
+
+XLA:CPU has no grouped GEMM (`ragged_dot` lowers to a dense product over every expert,
+E times the FLOPs). Padding every expert's run to fixed blocks and gathering each block's
+weights costs a copy of the expert weights per block and runs small matmuls (measured:
+1.8x the CPU time of a dense SwiGLU of equal FLOPs, B8 S256 D256 F512 E8 top-2). This
+kernel instead loops, with dynamic trip counts, over each expert's rows *where they lie*:
+chunks of `4 * block` rows while a full chunk fits, then chunks of `block` rows for the
+tail, the last one shifted back to end at the run's end (rows it shares with the
+previous chunk are masked, so each row counts once). Compute is therefore the rows
+themselves plus at most `block` rows per expert, as plain 2-D matmuls.
+
+A `while` loop with a data-dependent trip count has no reverse-mode derivative in JAX,
+so the backward pass is written out (`jax.custom_vjp`): the same loop over the same
+chunks, with gate and up saved from the forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+# (carry, expert, first row read, first row owned, end of rows owned, rows read) -> carry
+ChunkBody = Callable[[tuple, Array, Array, Array, Array, int], tuple]
+
+
+@jax.custom_vjp
+def permute_rows(x: Float[Array, "N D"], index: Int[Array, " N"], inverse: Int[Array, " N"]):
+    """x[index] for a permutation `index` whose inverse is `inverse`.
+
+    The transpose of a permutation is its inverse, so the backward pass is a gather too
+    (autodiff of x[index] would scatter-add, which XLA:CPU runs row by row).
+    """
+    return x[index]
+
+
+def _permute_fwd(x, index, inverse):
+    return x[index], (index, inverse)
+
+
+def _permute_bwd(res, dy):
+    _, inverse = res
+    return dy[inverse], None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+def inverse_permutation(index: Int[Array, " N"]) -> Int[Array, " N"]:
+    n = index.shape[0]
+    return jnp.zeros(n, index.dtype).at[index].set(jnp.arange(n, dtype=index.dtype))
+
+
+def _for_each_chunk(group_sizes: Int[Array, " E"], block: int, body: ChunkBody, carry):
+    """Run `body` over the chunks of every expert's run of rows (see the module doc)."""
+    big = 4 * block
+    end = jnp.cumsum(group_sizes)
+    start = end - group_sizes
+    n_big = group_sizes // big
+    n_small = -(-(group_sizes - n_big * big) // block)
+
+    def expert(e, carry):
+        first, last = start[e], end[e]
+
+        def big_chunk(j, carry):
+            lo = first + j * big
+            return body(carry, e, lo, lo, lo + big, big)
+
+        def small_chunk(j, carry):
+            lo = first + n_big[e] * big + j * block
+            read = jnp.maximum(jnp.minimum(lo, last - block), first)  # shifted back to fit
+            return body(carry, e, read, lo, jnp.minimum(lo + block, last), block)
+
+        carry = jax.lax.fori_loop(0, n_big[e], big_chunk, carry)
+        return jax.lax.fori_loop(0, n_small[e], small_chunk, carry)
+
+    return jax.lax.fori_loop(0, group_sizes.shape[0], expert, carry)
+
+
+def _rows(x: Array, read: Array, n: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, read, n, 0)
+
+
+def _owned(read: Array, lo: Array, hi: Array, n: int) -> Array:
+    """Which of the n rows read from `read` this chunk owns: [lo, hi)."""
+    r = read + jnp.arange(n)
+    return ((r >= lo) & (r < hi))[:, None]
+
+
+def _write(buf: Array, new: Array, read: Array, owned: Array) -> Array:
+    old = _rows(buf, read, new.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(owned, new, old), read, 0)
+
+
+def _pad(x: Array, rows: int) -> Array:
+    """Room past the end, so a chunk read near the end stays in bounds."""
+    return jnp.concatenate([x, jnp.zeros((rows, *x.shape[1:]), x.dtype)])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def grouped_swiglu(
+    rows: Float[Array, "A D"],
+    group_sizes: Int[Array, " E"],
+    w_gate: Float[Array, "E D F"],
+    w_up: Float[Array, "E D F"],
+    w_down: Float[Array, "E F D"],
+    block: int,
+) -> Float[Array, "A D"]:
+    """Row i (sorted by expert, group_sizes rows each) through its expert's SwiGLU."""
+    return _forward(rows, group_sizes, w_gate, w_up, w_down, block)[0]
+
+
+def _forward(rows, group_sizes, w_gate, w_up, w_down, block):
+    n, d = rows.shape
+    f = w_gate.shape[-1]
+    pad = 4 * block
+    x = _pad(rows, pad)
+
+    def chunk(carry, e, read, lo, hi, size):
+        y, gate, up = carry
+        xs = _rows(x, read, size)
+        g, u = xs @ w_gate[e], xs @ w_up[e]
+        out = (jax.nn.silu(g) * u) @ w_down[e]
+        owned = _owned(read, lo, hi, size)
+        return _write(y, out, read, owned), _write(gate, g, read, owned), _write(up, u, read, owned)
+
+    zeros = lambda width: jnp.zeros((n + pad, width), rows.dtype)
+    y, gate, up = _for_each_chunk(group_sizes, block, chunk, (zeros(d), zeros(f), zeros(f)))
+    return y[:n], (x, gate, up, group_sizes, w_gate, w_up, w_down)
+
+
+def _backward(block, res, dy):
+    x, gate, up, group_sizes, w_gate, w_up, w_down = res
+    n = dy.shape[0]
+    dy = _pad(dy, x.shape[0] - n)
+
+    def chunk(carry, e, read, lo, hi, size):
+        dx, dw_gate, dw_up, dw_down = carry
+        owned = _owned(read, lo, hi, size)
+        xs, g, u = _rows(x, read, size), _rows(gate, read, size), _rows(up, read, size)
+        dys = jnp.where(owned, _rows(dy, read, size), 0)  # rows owned elsewhere add nothing
+        sig = jax.nn.sigmoid(g)
+        silu = g * sig
+        dh = dys @ w_down[e].T
+        du = dh * silu
+        dg = dh * u * sig * (1 + g * (1 - sig))  # d silu(g) / dg
+        acc = lambda w, grad: w.at[e].add(grad.astype(w.dtype))
+        dw_down = acc(dw_down, (silu * u).T @ dys)
+        dw_gate, dw_up = acc(dw_gate, xs.T @ dg), acc(dw_up, xs.T @ du)
+        dxs = dg @ w_gate[e].T + du @ w_up[e].T
+        return _write(dx, dxs, read, owned), dw_gate, dw_up, dw_down
+
+    f32 = lambda w: jnp.zeros(w.shape, jnp.float32)  # accumulate weight grads in float32
+    init = (jnp.zeros_like(x), f32(w_gate), f32(w_up), f32(w_down))
+    dx, dw_gate, dw_up, dw_down = _for_each_chunk(group_sizes, block, chunk, init)
+    cast = lambda grad, w: grad.astype(w.dtype)
+    return (dx[:n], None, cast(dw_gate, w_gate), cast(dw_up, w_up), cast(dw_down, w_down))
+
+
+grouped_swiglu.defvjp(lambda *a: _forward(*a), _backward)
