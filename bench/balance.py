@@ -8,10 +8,10 @@ reused): `aux_loss` (the preset as it ships: softmax router, aux weight 0.01),
 `bias_quantile_hard` (rate 1, Marin's rule): sigmoid router, no aux loss, selection bias
 moved after every step; and the sign rule plus DeepSeek-V3's sequence-wise aux loss at
 weight 0.01 and 0.1 (`loss.seq_aux_weight`). `--methods` runs a subset and keeps the
-other methods' entries of the JSON. Then, on 20 training batches the runs never saw (indices past the
-last step), the final model's expert loads per layer: max/mean per batch (what a capacity dispatch
-feels) and of the 20 batches summed (what the bias can fix; the rest is sequences of
-one batch sharing experts). Writes bench/results/balance_tiny.json.
+other methods' entries of the JSON. Then, on 20 training batches the runs never saw
+(indices past the last step), the final model's expert loads per layer: max/mean per batch
+(what a capacity dispatch feels) and of the 20 batches summed (what the bias can fix; the
+rest is sequences of one batch sharing experts). Writes bench/results/balance_tiny.json.
 """
 
 from __future__ import annotations
