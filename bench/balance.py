@@ -2,12 +2,12 @@
 
     python3 bench/balance.py [--runs runs/bench/balance] [--steps 300]
 
-Trains the tiny preset six ways (a run directory that already holds a finished run is
+Trains the tiny preset seven ways (a run directory that already holds a finished run is
 reused): `aux_loss` (the preset as it ships: softmax router, aux weight 0.01),
 `bias_sign` (rate 0.01: 300 steps is short), `bias_quantile` (quantile_rate 0.1) and
 `bias_quantile_hard` (rate 1, Marin's rule): sigmoid router, no aux loss, selection bias
 moved after every step; and the sign rule plus DeepSeek-V3's sequence-wise aux loss at
-weight 0.01 and 0.1 (`loss.seq_aux_weight`). `--methods` runs a subset and keeps the
+weight 0.01, 0.03 and 0.1 (`loss.seq_aux_weight`). `--methods` runs a subset and keeps the
 other methods' entries of the JSON. Then, on 20 training batches the runs never saw
 (indices past the last step), the final model's expert loads per layer: max/mean per batch
 (what a capacity dispatch feels) and of the 20 batches summed (what the bias can fix; the
@@ -40,6 +40,8 @@ METHODS = {
     # the sign rule plus DeepSeek-V3's sequence-wise loss against per-sequence concentration
     "bias_sign_seq_aux": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01,
                           "loss.seq_aux_weight": 0.01},
+    "bias_sign_seq_aux_0.03": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01,
+                               "loss.seq_aux_weight": 0.03},
     "bias_sign_seq_aux_0.1": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01,
                               "loss.seq_aux_weight": 0.1},
 }
