@@ -8,9 +8,9 @@ capacity can sit, and how much of it does bias balancing remove?
 
 1. Routers: the tiny preset (8 experts, top-2, 2 MoE layers, 300 steps) trained twice,
    exactly as bench/balance.py trains `aux_loss` (softmax, aux weight 0.01) and
-   `bias_sign` (sigmoid, no aux loss, sign rule at rate 0.01; chosen over bias_quantile
-   because it was the only bias rule within 0.5% of the aux run's val loss that also
-   flattened the load: see bench/results/balance_tiny.json). The runs live in
+   `bias_sign` (sigmoid, no aux loss, sign rule at rate 0.01; chosen over bias_quantile:
+   of the two bias rules within 0.5% of the aux run's val loss it has the flatter load,
+   and QB at rate 0.1 costs +1.2%: see bench/results/balance_tiny.json). The runs live in
    runs/bench/balance/ and are reused when finished. A third "router" is
    `moe.uniform_routing` (position s -> experts (s*K + j) mod E): the perfectly balanced
    floor, which must drop nothing at capacity factor >= 1.
