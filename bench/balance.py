@@ -2,14 +2,16 @@
 
     python3 bench/balance.py [--runs runs/bench/balance] [--steps 300]
 
-Trains the tiny preset four ways (a run directory that already holds a finished run is
+Trains the tiny preset seven ways (a run directory that already holds a finished run is
 reused): `aux_loss` (the preset as it ships: softmax router, aux weight 0.01),
 `bias_sign` (rate 0.01: 300 steps is short), `bias_quantile` (quantile_rate 0.1) and
 `bias_quantile_hard` (rate 1, Marin's rule): sigmoid router, no aux loss, selection bias
-moved after every step. Then, on 20 training batches the runs never saw (indices past the
-last step), the final model's expert loads per layer: max/mean per batch (what a capacity dispatch
-feels) and of the 20 batches summed (what the bias can fix; the rest is sequences of
-one batch sharing experts). Writes bench/results/balance_tiny.json.
+moved after every step; and the sign rule plus DeepSeek-V3's sequence-wise aux loss at
+weight 0.01, 0.03 and 0.1 (`loss.seq_aux_weight`). `--methods` runs a subset and keeps the
+other methods' entries of the JSON. Then, on 20 training batches the runs never saw
+(indices past the last step), the final model's expert loads per layer: max/mean per batch
+(what a capacity dispatch feels) and of the 20 batches summed (what the bias can fix; the
+rest is sequences of one batch sharing experts). Writes bench/results/balance_tiny.json.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ METHODS = {
     "bias_sign": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01},
     "bias_quantile": {**BIAS, "moe.balance": "bias_quantile"},
     "bias_quantile_hard": {**BIAS, "moe.balance": "bias_quantile", "moe.quantile_rate": 1.0},
+    # the sign rule plus DeepSeek-V3's sequence-wise loss against per-sequence concentration
+    "bias_sign_seq_aux": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01,
+                          "loss.seq_aux_weight": 0.01},
+    "bias_sign_seq_aux_0.03": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01,
+                               "loss.seq_aux_weight": 0.03},
+    "bias_sign_seq_aux_0.1": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01,
+                              "loss.seq_aux_weight": 0.1},
 }
 HELD_OUT = 20
 
@@ -76,15 +85,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default="runs/bench/balance")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                        help="train/measure only these; the others keep their JSON entries")
     args = parser.parse_args()
-    out = {}
-    for name, overrides in METHODS.items():
+    kept = json.loads(RESULTS.read_text())["methods"] if RESULTS.exists() else {}
+    out = {name: kept[name] for name in METHODS if name in kept and name not in args.methods}
+    for name in args.methods:
+        overrides = METHODS[name]
         run = Path(args.runs) / name
         if not finished(run, args.steps):
             cfg = load_config(config_path("tiny"), {**overrides, "train.steps": args.steps})
             train(cfg, run)
         out[name] = {"overrides": overrides, **measure(run, args.steps)}
         print(name, json.dumps(out[name]))
+    out = {name: out[name] for name in METHODS if name in out}
     base = out["aux_loss"]["val_loss_mean"]
     for name in out:
         out[name]["val_loss_vs_aux_pct"] = round(100 * (out[name]["val_loss_mean"] / base - 1), 3)

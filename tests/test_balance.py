@@ -10,9 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moelab.config import Config, ConfigError, ModelConfig, MoEConfig, config_from_dict
-from moelab.model import Transformer
+from moelab.config import (
+    Config,
+    ConfigError,
+    LossConfig,
+    ModelConfig,
+    MoEConfig,
+    config_from_dict,
+)
+from moelab.model import Transformer, objective
 from moelab.model.balance import moe_layers, sign_rule, update_bias, without_bias
+from moelab.model.moe import MoE
 from moelab.model.router import quantile_bias, route, share_margin
 from moelab.train.optimizer import make_optimizer, trainable
 from moelab.train.step import make_train_step
@@ -178,3 +186,99 @@ def test_bfloat16_compute_keeps_the_selection_bias_in_float32():
     assert cast.moe_layers.ffn.router.dtype == jnp.bfloat16
     assert cast.moe_layers.ffn.bias.dtype == jnp.float32
     np.testing.assert_array_equal(cast.moe_layers.ffn.bias, model.moe_layers.ffn.bias)
+
+
+def deepseek_sequence_loss(experts: np.ndarray, scores: np.ndarray) -> float:
+    """DeepSeek-V3 eq. 17-20 written out: per sequence, f_i = E/(K*T) * #tokens routed to i,
+    P_i = mean over its tokens of s_i / sum_j s_j; sum_i f_i P_i, then the mean over sequences."""
+    b, t, k = experts.shape
+    e = scores.shape[-1]
+    per_sequence = []
+    for seq in range(b):
+        f = [e / (k * t) * sum(i in experts[seq, tok] for tok in range(t)) for i in range(e)]
+        normalized = scores[seq] / scores[seq].sum(-1, keepdims=True)
+        p = normalized.mean(0)
+        per_sequence.append(sum(f[i] * p[i] for i in range(e)))
+    return float(np.mean(per_sequence))
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_sequence_aux_loss_is_deepseeks_formula(router):
+    logits = 2.0 * jax.random.normal(jax.random.key(5), (3, 16, 8))
+    bias = 0.3 * jax.random.normal(jax.random.key(6), (8,))  # f counts the biased choice
+    moe = MoEConfig(n_experts=8, top_k=2, router=router)
+    routing, stats = route(logits, moe, bias)
+    scores = jax.nn.softmax(logits, -1) if router == "softmax" else jax.nn.sigmoid(logits)
+    want = deepseek_sequence_loss(np.asarray(routing.experts), np.asarray(scores, np.float64))
+    # float32 sums of 16 x 8 terms of size ~1: relative error well under 1e-5
+    np.testing.assert_allclose(float(stats.seq_aux_loss), want, rtol=1e-5)
+    # one sequence: the sequence-wise loss is the batch (Switch) loss
+    _, one = route(logits[:1], moe, bias)
+    np.testing.assert_allclose(float(one.seq_aux_loss), float(one.aux_loss), rtol=1e-6)
+
+
+def moe_layer(**moe) -> MoE:
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16)
+    return MoE.init(cfg, MoEConfig(n_experts=4, top_k=2, block_size=8, **moe), jax.random.key(2))
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_sequence_aux_loss_trains_only_the_router(router):
+    layer = moe_layer(router=router, shared_expert=True)
+    x = jax.random.normal(jax.random.key(3), (2, 8, 16))
+    grads = eqx.filter_grad(lambda m: m(x)[1].seq_aux_loss)(layer)
+    assert float(jnp.abs(grads.router).max()) > 0
+    for leaf in jax.tree.leaves((grads.experts, grads.shared)):
+        np.testing.assert_array_equal(leaf, 0.0)
+
+
+def test_sequence_aux_loss_adds_nothing_at_weight_zero():
+    """Weight 0 leaves the term out of the total (a NaN term would otherwise poison it)."""
+    logits = jax.random.normal(jax.random.key(0), (2, 8, 64))
+    targets = jax.random.randint(jax.random.key(1), (2, 8), 0, 64)
+    _, stats = jax.vmap(moe_layer())(jax.random.normal(jax.random.key(3), (1, 2, 8, 16)))
+    poisoned = eqx.tree_at(lambda s: s.seq_aux_loss, stats, jnp.full((1,), jnp.nan))
+    total, parts = objective(logits, targets, poisoned, LossConfig())
+    assert np.isfinite(float(total)) and np.isnan(float(parts["seq_aux_loss"]))
+    off, _ = objective(logits, targets, stats, LossConfig())
+    on, parts = objective(logits, targets, stats, LossConfig(seq_aux_weight=0.5))
+    np.testing.assert_allclose(float(on - off), 0.5 * float(parts["seq_aux_loss"]), rtol=1e-5)
+    assert float(parts["seq_aux_loss"]) > 0
+
+
+def test_sequence_aux_loss_per_stacked_layer_scanned_or_not():
+    stats = []
+    for scan_layers in (True, False):
+        cfg = Config(model=ModelConfig(vocab_size=64, d_model=16, n_layers=3, n_heads=2,
+                                       n_kv_heads=1, d_ff=16, scan_layers=scan_layers),
+                     moe=MoEConfig(n_experts=4, top_k=2, block_size=8))
+        model = Transformer(cfg.model, cfg.moe, jax.random.key(0))
+        stats.append(model(jax.random.randint(jax.random.key(1), (2, 9), 0, 64))[1])
+    assert stats[0].seq_aux_loss.shape == (3,)
+    np.testing.assert_allclose(stats[0].seq_aux_loss, stats[1].seq_aux_loss, rtol=1e-6)
+    _, parts = objective(jnp.zeros((2, 9, 64)), jnp.zeros((2, 9), int), stats[0], LossConfig())
+    np.testing.assert_allclose(parts["seq_aux_loss"], jnp.mean(stats[0].seq_aux_loss))
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "pooled", "pooled_wave"])
+def test_uniform_routing_balances_exactly_and_capacity_one_drops_nothing(dispatch):
+    layer = moe_layer(uniform_routing=True, dispatch=dispatch, capacity_factor=1.0,
+                      send_capacity_factor=1.0, balance="bias_sign")
+    x = jax.random.normal(jax.random.key(3), (3, 8, 16))  # S*K = 16: a multiple of E = 4
+    logits = jnp.einsum("bsd,de->bse", x, layer.router)
+    routing, stats = route(logits, layer.moe, layer.bias)
+    per_sequence = jax.nn.one_hot(routing.experts, 4).sum((1, 2))
+    np.testing.assert_array_equal(per_sequence, 4.0)  # 8 tokens x 2 / 4 experts, each sequence
+    np.testing.assert_array_equal(stats.tokens_per_expert, 12.0)
+    np.testing.assert_array_equal(routing.weights, 0.5)
+    assert bool(jnp.all(routing.experts[..., 0] != routing.experts[..., 1]))
+    _, out = layer(x)
+    assert float(out.drop_frac) == 0.0
+
+    def total(layer):  # every router-dependent term: outputs, aux, z, sequence aux
+        y, s = layer(x)
+        return jnp.sum(y ** 2) + s.aux_loss + s.router_z + s.seq_aux_loss
+
+    np.testing.assert_array_equal(eqx.filter_grad(total)(layer).router, 0.0)
+    learned = moe_layer(dispatch=dispatch, capacity_factor=1.0, send_capacity_factor=1.0)
+    assert float(jnp.abs(eqx.filter_grad(total)(learned).router).max()) > 0

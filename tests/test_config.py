@@ -22,6 +22,8 @@ from moelab.config import ConfigError, config_from_dict, load_config
         ({"data": {"batch_size": 6}, "moe": {"dispatch": "pooled", "pool_size": 4}},
          "moe.pool_size"),
         ({"train": {"steps": 0}}, "train.steps"),
+        ({"loss": {"seq_aux_weight": -0.1}}, "loss.seq_aux_weight"),
+        ({"moe": {"uniform_routing": "yes"}}, "moe.uniform_routing"),
         ({"data": {"mixture": {"code": -1.0}}}, "data.mixture.code"),
     ],
 )

@@ -201,7 +201,8 @@ def model_case() -> dict:
 
     def fn(model, tokens):
         logits, stats, _ = model(tokens[:, :-1])
-        loss, parts = objective(logits, tokens[:, 1:], stats, LossConfig())
+        # the sequence-wise aux loss is computed from the global routing, outside shard_map
+        loss, parts = objective(logits, tokens[:, 1:], stats, LossConfig(seq_aux_weight=0.01))
         return loss, (loss, parts["drop_frac"][:, None])
 
     return compare(fn, model, tokens, make_mesh(MeshConfig(data=2, expert=4)))

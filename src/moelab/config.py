@@ -83,6 +83,9 @@ class MoEConfig:
     # dropless: "auto" picks ragged_dot on GPU/TPU and padded block matmuls on CPU
     dropless_impl: Literal["auto", "ragged", "blocked"] = "auto"
     block_size: int = 64  # rows per block of the CPU dropless path
+    # debug, for measurements: position s of each sequence goes to experts (s*K + j) mod E
+    # with weights 1/K (perfect balance); the router weights stay but get no gradient
+    uniform_routing: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,9 @@ class LossConfig:
     """Weights of the auxiliary terms added to next-token cross-entropy."""
 
     aux_weight: float = 0.01  # Switch load-balancing loss
+    # DeepSeek-V3's complementary sequence-wise balance loss (the Switch loss per sequence,
+    # averaged); 0 = off. Works beside either moe.balance (DeepSeek-V3 uses ~1e-4 with bias)
+    seq_aux_weight: float = 0.0
     router_z_weight: float = 1e-3  # mean logsumexp(router_logits)^2
     logit_z_weight: float = 1e-4  # mean logsumexp(output_logits)^2: keeps grad norm flat
 
@@ -313,6 +319,7 @@ BOUNDS = {
     "moe.n_experts": (">", 0), "moe.top_k": (">", 0), "moe.d_ff_shared": (">=", 0),
     "moe.capacity_factor": (">", 0), "moe.block_size": (">", 0),
     "loss.aux_weight": (">=", 0), "loss.router_z_weight": (">=", 0),
+    "loss.seq_aux_weight": (">=", 0),
     "loss.logit_z_weight": (">=", 0),
     "data.seq_len": (">", 0), "data.batch_size": (">", 0), "data.seed": (">=", 0),
     "optim.lr": (">", 0), "optim.warmup_steps": (">=", 0), "optim.weight_decay": (">=", 0),

@@ -51,6 +51,9 @@ def target(cfg: Config) -> str:
 def _refusals(cfg: Config) -> list[tuple[str, str, str]]:
     """(field, why neither target can compute it, the fix) for every blocking field."""
     m, moe = cfg.model, cfg.moe
+    if moe.uniform_routing:
+        return [("moe.uniform_routing", "a fixed debug routing that neither target computes",
+                 "export a model trained with moe.uniform_routing=false")]
     if moe.router == "sigmoid":  # Glm4Moe
         if not moe.shared_expert:
             return [("moe.shared_expert", "Glm4Moe (the sigmoid-router target) always adds a "

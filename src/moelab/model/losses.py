@@ -2,6 +2,7 @@
 
     total = CE + aux_weight * mean_l(aux_l) + router_z_weight * mean_l(z_l)
                + logit_z_weight * mean_t logsumexp(logits_t)^2
+               [+ seq_aux_weight * mean_l(seq_aux_l)]   (only when the weight is not 0)
 
 The logit z-loss keeps the output softmax's log-normalizer near zero; without it the
 gradient norm grew steadily in long ladder runs.
@@ -36,10 +37,14 @@ def objective(
     """Total loss and its parts; per-layer MoE stats are kept for logging."""
     ce, logit_z = cross_entropy_terms(logits, targets)
     aux = jnp.mean(stats.aux_loss) if stats is not None else jnp.zeros(())
+    seq_aux = jnp.mean(stats.seq_aux_loss) if stats is not None else jnp.zeros(())
     router_z = jnp.mean(stats.router_z) if stats is not None else jnp.zeros(())
     total = (ce + weights.aux_weight * aux + weights.router_z_weight * router_z
              + weights.logit_z_weight * logit_z)
-    parts = {"loss": total, "ce": ce, "aux_loss": aux, "router_z": router_z, "logit_z": logit_z}
+    if weights.seq_aux_weight:  # skipped at 0, so the default objective is bitwise unchanged
+        total = total + weights.seq_aux_weight * seq_aux
+    parts = {"loss": total, "ce": ce, "aux_loss": aux, "seq_aux_loss": seq_aux,
+             "router_z": router_z, "logit_z": logit_z}
     if stats is not None:
         parts["drop_frac"] = stats.drop_frac  # [L_moe]
         parts["tokens_per_expert"] = stats.tokens_per_expert  # [L_moe, E]

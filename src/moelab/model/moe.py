@@ -28,6 +28,7 @@ class MoEStats(eqx.Module):
     """Per-layer routing statistics, logged every step."""
 
     aux_loss: Float[Array, ""]
+    seq_aux_loss: Float[Array, ""]  # DeepSeek-V3 sequence-wise balance loss (unweighted)
     router_z: Float[Array, ""]
     drop_frac: Float[Array, ""]  # fraction of token-assignments dropped (sender + receiver)
     sender_drop_frac: Float[Array, ""]  # pooled_wave: cut by a sender's transport block
@@ -71,6 +72,7 @@ class MoE(eqx.Module):
             y = y + self.shared(x)
         stats = MoEStats(
             aux_loss=router_stats.aux_loss,
+            seq_aux_loss=router_stats.seq_aux_loss,
             router_z=router_stats.router_z,
             drop_frac=dropped.total / routing.experts.size,
             sender_drop_frac=dropped.sender / routing.experts.size,

@@ -4,7 +4,14 @@
   experts = top_k(scores + bias)      (bias: selection only, never weights nor gradient)
   weights = scores[experts] (renormalized to sum 1 if asked) * routed_scaling
   aux     = E * sum_e f_e * P_e        (Switch; f_e = share of assignments, P_e = mean prob)
+  seq_aux = the same per sequence, averaged over sequences (DeepSeek-V3's complementary
+            sequence-wise balance loss: f_e = E/(K*S) * tokens of the sequence sent to e)
   z       = mean_t logsumexp(x W_r)^2  (router z-loss; keeps router logits small)
+
+`moe.uniform_routing` (a debug mode for measurements) replaces the choice by a fixed
+perfectly balanced one: position s of every sequence goes to experts (s*K + j) mod E,
+j < K, with weights 1/K. Scores, stats and the router weights stay, but the router gets
+no gradient (its logits are stopped), so drop studies can separate imbalance from capacity.
 
 The bias lives in score space, as transformers' Glm4Moe / DeepseekV3
 `e_score_correction_bias` does, so a bias-balanced model exports exactly.
@@ -31,6 +38,7 @@ class Routing(eqx.Module):
 
 class RouterStats(eqx.Module):
     aux_loss: Float[Array, ""]
+    seq_aux_loss: Float[Array, ""]  # the aux loss per sequence, averaged over sequences
     router_z: Float[Array, ""]
     tokens_per_expert: Float[Array, " E"]  # assignments received, before any capacity cut
     entropy: Float[Array, ""]  # mean over tokens of the entropy of the routing distribution
@@ -42,6 +50,8 @@ def route(
 ) -> tuple[Routing, RouterStats]:
     """Choose top_k experts per token from router logits (float32)."""
     logits = logits.astype(jnp.float32)
+    if moe.uniform_routing:
+        logits = jax.lax.stop_gradient(logits)
     scores = jax.nn.softmax(logits, -1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
     choice = scores
     if bias is not None:
@@ -52,10 +62,14 @@ def route(
         top_scores = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
     if moe.routed_scaling != 1.0:
         top_scores = top_scores * moe.routed_scaling
-    counts = jnp.sum(jax.nn.one_hot(experts, moe.n_experts), axis=(0, 1, 2))
+    if moe.uniform_routing:
+        experts, top_scores = uniform_choice(logits.shape[:2], moe.top_k, moe.n_experts)
+    seq_counts = jnp.sum(jax.nn.one_hot(experts, moe.n_experts), axis=(1, 2))  # [B, E]
+    counts = jnp.sum(seq_counts, axis=0)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)  # sigmoid scores -> a distribution
     stats = RouterStats(
         aux_loss=load_balancing_loss(counts, probs),
+        seq_aux_loss=jnp.mean(jax.vmap(load_balancing_loss)(seq_counts, probs)),
         router_z=jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
         tokens_per_expert=counts,
         entropy=jax.lax.stop_gradient(-jnp.mean(jnp.sum(probs * jnp.log(probs + 1e-30), -1))),
@@ -65,8 +79,22 @@ def route(
     return Routing(experts, top_scores), stats
 
 
-def load_balancing_loss(counts: Float[Array, " E"], probs: Float[Array, "B S E"]) -> Array:
-    """Switch Transformer aux loss; equals 1.0 when routing is perfectly uniform."""
+def uniform_choice(
+    shape: tuple[int, int], top_k: int, n_experts: int
+) -> tuple[Int[Array, "B S K"], Float[Array, "B S K"]]:
+    """Experts (s*K + j) mod E for position s, weights 1/K: every expert gets exactly its
+    share of each sequence whenever S*K is a multiple of E (`moe.uniform_routing`)."""
+    b, s = shape
+    experts = (jnp.arange(s)[:, None] * top_k + jnp.arange(top_k)) % n_experts
+    experts = jnp.broadcast_to(experts, (b, s, top_k)).astype(jnp.int32)
+    return experts, jnp.full((b, s, top_k), 1.0 / top_k, jnp.float32)
+
+
+def load_balancing_loss(counts: Float[Array, " E"], probs: Float[Array, "... E"]) -> Array:
+    """Switch Transformer aux loss; equals 1.0 when routing is perfectly uniform.
+
+    Given one sequence's counts and scores it is DeepSeek-V3's sequence-wise term:
+    E * counts_e / sum(counts) = E / (K * S) * counts_e."""
     n_experts = counts.shape[0]
     assignment_share = counts / jnp.sum(counts)
     mean_prob = jnp.mean(probs.reshape(-1, n_experts), axis=0)

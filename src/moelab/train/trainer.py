@@ -210,7 +210,8 @@ class Trainer:
 
     def _record(self, parts: dict, lr: float, tokens_per_s: float) -> dict:
         record = {k: float(parts[k]) for k in
-                  ("loss", "ce", "aux_loss", "router_z", "logit_z", "grad_norm")}
+                  ("loss", "ce", "aux_loss", "seq_aux_loss", "router_z", "logit_z",
+                   "grad_norm")}
         record.update(lr=float(lr), tokens_per_s=tokens_per_s, mfu=mfu(self.cfg, tokens_per_s))
         for name in ("drop_frac", "sender_drop_frac", "padding_frac", "router_entropy",
                      "bias_range"):
