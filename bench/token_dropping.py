@@ -206,7 +206,7 @@ def measure(routers: dict, data_dir: str, window: int, tokens: int, steps: int,
             dispatch: ExpertParallelDispatch) -> dict:
     """router -> context -> layer-mean drop fractions, per layer, and load imbalance."""
     n_experts, top_k = 8, 2
-    tiny = Experts(n_experts, 1, 1, 0.0, jax.random.key(0))
+    tiny = Experts.init(n_experts, 1, 1, 0.0, jax.random.key(0))
     out = {name: {} for name in (*routers, "uniform")}
     for length in CONTEXTS:
         rows = DEVICES * tokens // length

@@ -56,7 +56,7 @@ def matmul_peak(n: int = 2048, reps: int = 10) -> float:
 
 
 def setup(cfg: Config):
-    model = Transformer(cfg.model, cfg.moe, jax.random.key(0))
+    model = Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
     optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
     opt_state = optimizer.init(trainable(model))
     batch = jax.random.randint(jax.random.key(1), (cfg.data.batch_size, cfg.data.seq_len + 1),
@@ -101,7 +101,8 @@ def measure_fsdp_bytes() -> None:
     device, out = jax.devices()[0], {}
     for fsdp in (1, 8):
         mesh = make_mesh(dataclasses.replace(cfg.mesh, fsdp=fsdp))
-        model = init_sharded(lambda k: Transformer(cfg.model, cfg.moe, k), mesh, jax.random.key(0))
+        model = init_sharded(lambda k: Transformer.init(cfg.model, cfg.moe, k), mesh,
+                             jax.random.key(0))
         opt_state = init_sharded(make_optimizer(cfg.optim, 10, None).init, mesh, trainable(model))
         leaves = jax.tree.leaves(eqx.filter((model, opt_state), eqx.is_array))
         out[f"fsdp{fsdp}"] = sum(s.data.nbytes for a in leaves for s in a.addressable_shards

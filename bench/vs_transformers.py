@@ -43,7 +43,7 @@ def build(args: argparse.Namespace) -> tuple[Config, Transformer]:
                             n_heads=args.heads, n_kv_heads=args.kv_heads, d_ff=args.d_ff)
     moe = MoEConfig(n_experts=args.experts, top_k=args.top_k, dispatch="dropless")
     cfg = Config(model=model_cfg, moe=moe)
-    return cfg, Transformer(cfg.model, cfg.moe, jax.random.key(0))
+    return cfg, Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
 
 
 def moelab_step(block, x, g, cos, sin):

@@ -84,7 +84,7 @@ def tiny_biased(balance: str, **moe) -> tuple[Transformer, Config]:
                                    n_kv_heads=1, d_ff=16, n_dense_layers=1),
                  moe=MoEConfig(n_experts=4, top_k=2, router="sigmoid", balance=balance,
                                block_size=8, **moe))
-    return Transformer(cfg.model, cfg.moe, jax.random.key(0)), cfg
+    return Transformer.init(cfg.model, cfg.moe, jax.random.key(0)), cfg
 
 
 def run_steps(balance: str, steps: int, **moe):
@@ -252,7 +252,7 @@ def test_sequence_aux_loss_per_stacked_layer_scanned_or_not():
         cfg = Config(model=ModelConfig(vocab_size=64, d_model=16, n_layers=3, n_heads=2,
                                        n_kv_heads=1, d_ff=16, scan_layers=scan_layers),
                      moe=MoEConfig(n_experts=4, top_k=2, block_size=8))
-        model = Transformer(cfg.model, cfg.moe, jax.random.key(0))
+        model = Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
         stats.append(model(jax.random.randint(jax.random.key(1), (2, 9), 0, 64))[1])
     assert stats[0].seq_aux_loss.shape == (3,)
     np.testing.assert_allclose(stats[0].seq_aux_loss, stats[1].seq_aux_loss, rtol=1e-6)

@@ -34,7 +34,7 @@ def random_problem(seed, batch, seq, d, f, n_experts, top_k, router="softmax"):
     logits = jnp.asarray(rng.normal(size=(batch, seq, n_experts)) * 2, jnp.float32)
     moe = MoEConfig(n_experts=n_experts, top_k=top_k, router=router)
     routing, _ = jax.jit(route, static_argnums=1)(logits, moe)
-    make = jax.jit(lambda key: Experts(n_experts, d, f, 0.3, key))
+    make = jax.jit(lambda key: Experts.init(n_experts, d, f, 0.3, key))
     return x, routing, make(jax.random.key(seed)), moe
 
 
@@ -106,7 +106,7 @@ def test_skewed_router_drops_exactly_the_overflow():
     batch, seq, n_experts, cf = 4, 32, 4, 1.0
     routing = skewed_routing(batch, seq, n_experts, hot_share=0.5)
     x = jax.random.normal(jax.random.key(0), (batch, seq, 8))
-    experts = Experts(n_experts, 8, 8, 0.3, jax.random.key(1))
+    experts = Experts.init(n_experts, 8, 8, 0.3, jax.random.key(1))
     moe = MoEConfig(n_experts=n_experts, top_k=1, dispatch="capacity", capacity_factor=cf)
     y, dropped = DISPATCHES["capacity"](x, routing, experts, moe)
     cap = math.ceil(cf * seq * 1 / n_experts)
@@ -128,7 +128,7 @@ def test_pooling_drops_fewer_than_per_sequence_capacity():
         experts[b, : seq // 2] = b
     routing = Routing(jnp.asarray(experts[..., None]), jnp.ones((batch, seq, 1)))
     x = jnp.ones((batch, seq, 8))
-    ex = Experts(n_experts, 8, 8, 0.3, jax.random.key(1))
+    ex = Experts.init(n_experts, 8, 8, 0.3, jax.random.key(1))
     per_seq = MoEConfig(n_experts=4, top_k=1, dispatch="capacity", capacity_factor=1.0)
     pooled = MoEConfig(n_experts=4, top_k=1, dispatch="pooled", capacity_factor=1.0)
     _, d_seq = DISPATCHES["capacity"](x, routing, ex, per_seq)

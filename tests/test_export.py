@@ -30,7 +30,7 @@ def random_model(cfg: Config, seed: int = 0) -> Transformer:
     weights (the only 1-D parameters) are not all ones, so a misplaced norm would show.
     """
     rng = np.random.default_rng(seed)
-    skeleton = eqx.filter_eval_shape(Transformer, cfg.model, cfg.moe, jax.random.key(0))
+    skeleton = eqx.filter_eval_shape(Transformer.init, cfg.model, cfg.moe, jax.random.key(0))
     leaves = [1 + 0.3 * rng.standard_normal(x.shape) if len(x.shape) == 1
               else cfg.model.init_std * rng.standard_normal(x.shape)
               for x in jax.tree.leaves(skeleton)]

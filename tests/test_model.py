@@ -17,7 +17,7 @@ TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=
 
 def tiny(dispatch, **moe):
     cfg = Config(model=TINY, moe=MoEConfig(n_experts=4, top_k=2, dispatch=dispatch, **moe))
-    return Transformer(cfg.model, cfg.moe, jax.random.key(0)), cfg
+    return Transformer.init(cfg.model, cfg.moe, jax.random.key(0)), cfg
 
 
 DEFAULT_WEIGHTS = LossConfig()
@@ -43,7 +43,7 @@ def test_shared_expert_sigmoid_router_and_dense_first_layer_train():
     model_cfg = dataclasses.replace(TINY, n_dense_layers=1, tie_embeddings=True)
     cfg = Config(model=model_cfg,
                  moe=MoEConfig(n_experts=4, top_k=2, router="sigmoid", shared_expert=True))
-    model = Transformer(cfg.model, cfg.moe, jax.random.key(0))
+    model = Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 64)
     (loss, parts), grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn, has_aux=True))(
         model, tokens)
@@ -108,7 +108,7 @@ def test_scan_unrolled_and_every_remat_policy_give_the_same_loss_and_grads(dispa
     for scan in (True, False):
         for remat in ("none", "full", "save_moe"):
             cfg = dataclasses.replace(model_cfg, scan_layers=scan, remat=remat)
-            model = Transformer(cfg, moe, jax.random.key(0))
+            model = Transformer.init(cfg, moe, jax.random.key(0))
             fn = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn, has_aux=True))
             (loss, parts), grads = fn(model, tokens)
             results[scan, remat] = loss, parts["drop_frac"], jax.tree.leaves(grads)
@@ -123,7 +123,7 @@ def test_scan_unrolled_and_every_remat_policy_give_the_same_loss_and_grads(dispa
 
 def test_layers_are_stacked_and_unstack_to_the_per_layer_blocks():
     cfg = dataclasses.replace(TINY, n_layers=3, n_dense_layers=1)
-    model = Transformer(cfg, MoEConfig(n_experts=4, top_k=2), jax.random.key(0))
+    model = Transformer.init(cfg, MoEConfig(n_experts=4, top_k=2), jax.random.key(0))
     assert model.dense_layers.attn.wq.shape[0] == 1 and model.moe_layers.attn.wq.shape[0] == 2
     blocks = model.blocks
     assert len(blocks) == 3 and blocks[0].ffn.w_up.ndim == 2

@@ -70,6 +70,15 @@ def test_jitted_model_step_matches_single_device(report):
     assert case["forward"] < TOL and case["grads"] < TOL, case
 
 
+@pytest.mark.parametrize("exchange", ["padded", "ring"])
+def test_save_moe_backward_runs_no_exchange_again(report, exchange):
+    """Under `model.remat: save_moe` the backward pass has exactly the collectives it has
+    without remat (each exchange's transpose), while `full` recomputes the forward's."""
+    counts = report[f"remat/{exchange}"]
+    assert counts["save_moe"] == counts["none"], counts
+    assert counts["full"] > counts["none"], counts  # the count can tell the two apart
+
+
 def test_pool_size_zero_pools_the_local_batch(report):
     """Under EP, pool_size 0 pools each device's own sequences, not the global batch."""
     case = report["layer/pooled-0-vs-local/E4"]
@@ -194,9 +203,9 @@ def model_case() -> dict:
     from moelab.model import Transformer, objective
     from moelab.parallel.mesh import make_mesh
 
-    model = eqx.filter_jit(Transformer)(ModelConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2,
-                                    n_kv_heads=1, d_ff=8),
-                        MoEConfig(n_experts=4, top_k=2, block_size=4), jax.random.key(0))
+    model = eqx.filter_jit(Transformer.init)(
+        ModelConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8),
+        MoEConfig(n_experts=4, top_k=2, block_size=4), jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (DEVICES, 5), 0, 32)
 
     def fn(model, tokens):
@@ -206,6 +215,39 @@ def model_case() -> dict:
         return loss, (loss, parts["drop_frac"][:, None])
 
     return compare(fn, model, tokens, make_mesh(MeshConfig(data=2, expert=4)))
+
+
+def remat_collectives(exchange: str) -> dict:
+    """Collectives in the lowered gradient of a one-layer model, per remat policy."""
+    import dataclasses
+
+    import equinox as eqx
+    import jax
+
+    from moelab.config import LossConfig, MeshConfig, ModelConfig, MoEConfig
+    from moelab.model import Transformer, objective
+    from moelab.parallel.expert import expert_parallel
+    from moelab.parallel.mesh import batch_sharding, make_mesh, place
+
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    tokens = jax.device_put(jax.random.randint(jax.random.key(1), (DEVICES, 5), 0, 32),
+                            batch_sharding(mesh))
+    base = ModelConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8)
+    counts = {}
+    for policy in ("none", "full", "save_moe"):
+        model = eqx.filter_jit(Transformer.init)(dataclasses.replace(base, remat=policy),
+                                            MoEConfig(n_experts=4, top_k=2, block_size=4),
+                                            jax.random.key(0))
+        model = expert_parallel(place(model, mesh), mesh, exchange)
+
+        def loss(model, tokens):
+            logits, stats, _ = model(tokens[:, :-1])
+            return objective(logits, tokens[:, 1:], stats, LossConfig())[0]
+
+        text = eqx.filter_jit(eqx.filter_grad(loss)).lower(model, tokens).as_text()
+        counts[policy] = sum(text.count(op) for op in (
+            "stablehlo.all_to_all", "stablehlo.all_gather", "stablehlo.reduce_scatter"))
+    return counts
 
 
 def main() -> None:
@@ -218,6 +260,7 @@ def main() -> None:
     out |= {f"ring/{d}/E{e}": layer_case(e, d, "ring") for e, d in RING_CASES}
     out |= {f"wave/E{e}/waves{w}": wave_case(e, w) for e, w in WAVE_CASES}
     out["model/dropless/E4"] = model_case()
+    out |= {f"remat/{x}": remat_collectives(x) for x in ("padded", "ring")}
     print(json.dumps(out))
 
 

@@ -83,7 +83,7 @@ def main() -> None:
     from moelab.parallel.mesh import batch_sharding, make_mesh, place
 
     assert initialize_distributed(DistributedConfig())
-    model = eqx.filter_jit(Transformer)(
+    model = eqx.filter_jit(Transformer.init)(
         ModelConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8),
         MoEConfig(n_experts=4, top_k=2, dispatch="capacity", block_size=4), jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, 32, (8, 5)).astype(np.int32)

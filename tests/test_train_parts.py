@@ -65,7 +65,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     results = []
     for accum in (1, 4):
         cfg = dataclasses.replace(base, optim=OptimConfig(grad_accum=accum, warmup_steps=0))
-        model = Transformer(cfg.model, cfg.moe, jax.random.key(1))
+        model = Transformer.init(cfg.model, cfg.moe, jax.random.key(1))
         opt = make_optimizer(cfg.optim, 10, None)
         _, state, parts = make_train_step(cfg, opt)(model, opt.init(trainable(model)), tokens)
         results.append((state, parts))
@@ -95,7 +95,7 @@ def test_bf16_compute_runs_and_keeps_float32_params():
                                       "n_heads": 2, "n_kv_heads": 1, "d_ff": 32},
                             "moe": {"n_experts": 4, "top_k": 2},
                             "train": {"dtype": "bfloat16"}})
-    model = Transformer(cfg.model, cfg.moe, jax.random.key(1))
+    model = Transformer.init(cfg.model, cfg.moe, jax.random.key(1))
     opt = make_optimizer(cfg.optim, 10, None)
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 64)
     new, _, parts = make_train_step(cfg, opt)(model, opt.init(trainable(model)), tokens)

@@ -36,7 +36,7 @@ def with_dropless_dispatch(model: Transformer, block_size: int | None = None) ->
     if moe is None:
         return model  # all layers dense
     moe = dataclasses.replace(moe, dispatch="dropless", block_size=block_size or moe.block_size)
-    skeleton = eqx.filter_eval_shape(Transformer, model.cfg, moe, jax.random.key(0))
+    skeleton = eqx.filter_eval_shape(Transformer.init, model.cfg, moe, jax.random.key(0))
     return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
 
 

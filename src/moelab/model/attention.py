@@ -33,16 +33,16 @@ class Attention(eqx.Module):
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
 
-    def __init__(self, cfg: ModelConfig, key: PRNGKeyArray):
+    @classmethod
+    def init(cls, cfg: ModelConfig, key: PRNGKeyArray) -> Attention:
         hd, h, kv = cfg.resolved_head_dim, cfg.n_heads, cfg.n_kv_heads
         kq, kk, kvk, ko = jax.random.split(key, 4)
-        self.wq = normal(kq, (cfg.d_model, h * hd), cfg.init_std)
-        self.wk = normal(kk, (cfg.d_model, kv * hd), cfg.init_std)
-        self.wv = normal(kvk, (cfg.d_model, kv * hd), cfg.init_std)
-        self.wo = normal(ko, (h * hd, cfg.d_model), cfg.init_std)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
+        norm = lambda: RMSNorm.init(hd, cfg.norm_eps) if cfg.qk_norm else None
+        return cls(wq=normal(kq, (cfg.d_model, h * hd), cfg.init_std),
+                   wk=normal(kk, (cfg.d_model, kv * hd), cfg.init_std),
+                   wv=normal(kvk, (cfg.d_model, kv * hd), cfg.init_std),
+                   wo=normal(ko, (h * hd, cfg.d_model), cfg.init_std),
+                   q_norm=norm(), k_norm=norm(), n_heads=h, n_kv_heads=kv, head_dim=hd)
 
     def __call__(
         self,

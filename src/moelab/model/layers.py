@@ -29,9 +29,9 @@ class RMSNorm(eqx.Module):
     weight: Float[Array, " D"]
     eps: float = eqx.field(static=True)
 
-    def __init__(self, dim: int, eps: float):
-        self.weight = jnp.ones((dim,), jnp.float32)
-        self.eps = eps
+    @classmethod
+    def init(cls, dim: int, eps: float) -> RMSNorm:
+        return cls(weight=jnp.ones((dim,), jnp.float32), eps=eps)
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         x32 = x.astype(jnp.float32)
@@ -62,11 +62,11 @@ class SwiGLU(eqx.Module):
     w_up: Float[Array, "D F"]
     w_down: Float[Array, "F D"]
 
-    def __init__(self, d_model: int, d_ff: int, std: float, key: PRNGKeyArray):
+    @classmethod
+    def init(cls, d_model: int, d_ff: int, std: float, key: PRNGKeyArray) -> SwiGLU:
         k1, k2, k3 = jax.random.split(key, 3)
-        self.w_gate = normal(k1, (d_model, d_ff), std)
-        self.w_up = normal(k2, (d_model, d_ff), std)
-        self.w_down = normal(k3, (d_ff, d_model), std)
+        return cls(w_gate=normal(k1, (d_model, d_ff), std), w_up=normal(k2, (d_model, d_ff), std),
+                   w_down=normal(k3, (d_ff, d_model), std))
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         hidden = jax.nn.silu(linear(x, self.w_gate)) * linear(x, self.w_up)

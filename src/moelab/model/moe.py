@@ -20,8 +20,10 @@ from moelab.model.layers import SwiGLU, normal
 from moelab.model.router import route
 
 # Names of the tensors that `model.remat: save_moe` keeps for the backward pass: the routing
-# decision and the MoE output, so neither routing nor the dispatch is recomputed.
-SAVE_MOE_NAMES = ("moe_routing", "moe_out")
+# decision, the MoE output and, under expert parallelism, what each exchange delivered
+# (moelab.parallel.expert), so neither routing nor any collective runs again.
+EXCHANGE_IN, EXCHANGE_OUT = "moe_exchange_in", "moe_exchange_out"
+SAVE_MOE_NAMES = ("moe_routing", "moe_out", EXCHANGE_IN, EXCHANGE_OUT)
 
 
 class MoEStats(eqx.Module):
@@ -53,10 +55,11 @@ class MoE(eqx.Module):
         """Fresh weights; the fields stay plain, so `dataclasses.replace` swaps any of them."""
         kr, ke, ks = jax.random.split(key, 3)
         d_shared = moe.d_ff_shared or cfg.d_ff
+        shared = SwiGLU.init(cfg.d_model, d_shared, cfg.init_std, ks) if moe.shared_expert else None
         return cls(
             router=normal(kr, (cfg.d_model, moe.n_experts), cfg.init_std),
-            experts=Experts(moe.n_experts, cfg.d_model, cfg.d_ff, cfg.init_std, ke),
-            shared=SwiGLU(cfg.d_model, d_shared, cfg.init_std, ks) if moe.shared_expert else None,
+            experts=Experts.init(moe.n_experts, cfg.d_model, cfg.d_ff, cfg.init_std, ke),
+            shared=shared,
             bias=None if moe.balance == "aux_loss" else jnp.zeros(moe.n_experts, jnp.float32),
             moe=moe,
             dispatch=get_dispatch(moe),

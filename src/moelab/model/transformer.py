@@ -32,14 +32,15 @@ class Block(eqx.Module):
     ffn_norm: RMSNorm
     ffn: MoE | SwiGLU
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, dense: bool, key: PRNGKeyArray):
+    @classmethod
+    def init(cls, cfg: ModelConfig, moe: MoEConfig, dense: bool, key: PRNGKeyArray) -> Block:
         ka, kf = jax.random.split(key)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, ka)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         d_dense = cfg.d_ff_dense or cfg.d_ff * moe.top_k
-        self.ffn = (SwiGLU(cfg.d_model, d_dense, cfg.init_std, kf) if dense
-                    else MoE.init(cfg, moe, kf))
+        return cls(attn_norm=RMSNorm.init(cfg.d_model, cfg.norm_eps),
+                   attn=Attention.init(cfg, ka),
+                   ffn_norm=RMSNorm.init(cfg.d_model, cfg.norm_eps),
+                   ffn=(SwiGLU.init(cfg.d_model, d_dense, cfg.init_std, kf) if dense
+                        else MoE.init(cfg, moe, kf)))
 
     def __call__(self, x, cos, sin, cache=None, cache_index=0):
         attended, cache = self.attn(self.attn_norm(x), cos, sin, cache, cache_index)
@@ -59,16 +60,21 @@ class Transformer(eqx.Module):
     lm_head: Float[Array, "D V"] | None  # None when tied to the embedding
     cfg: ModelConfig = eqx.field(static=True)
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, key: PRNGKeyArray):
+    @classmethod
+    def init(cls, cfg: ModelConfig, moe: MoEConfig, key: PRNGKeyArray) -> Transformer:
+        """Fresh weights. Structure and initialization are separate: the fields are plain,
+        so `dataclasses.replace` / `eqx.tree_at` swap any of them without re-initializing."""
         keys = jax.random.split(key, cfg.n_layers + 2)
         n_dense = min(cfg.n_dense_layers, cfg.n_layers)
-        self.embed = normal(keys[0], (cfg.vocab_size, cfg.d_model), cfg.init_std)
-        self.dense_layers = stack_blocks(cfg, moe, True, keys[2:2 + n_dense])
-        self.moe_layers = stack_blocks(cfg, moe, False, keys[2 + n_dense:])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else normal(
-            keys[1], (cfg.d_model, cfg.vocab_size), cfg.init_std)
-        self.cfg = cfg
+        return cls(
+            embed=normal(keys[0], (cfg.vocab_size, cfg.d_model), cfg.init_std),
+            dense_layers=stack_blocks(cfg, moe, True, keys[2:2 + n_dense]),
+            moe_layers=stack_blocks(cfg, moe, False, keys[2 + n_dense:]),
+            final_norm=RMSNorm.init(cfg.d_model, cfg.norm_eps),
+            lm_head=None if cfg.tie_embeddings else normal(
+                keys[1], (cfg.d_model, cfg.vocab_size), cfg.init_std),
+            cfg=cfg,
+        )
 
     def __call__(
         self,
@@ -139,7 +145,7 @@ def stack_blocks(cfg: ModelConfig, moe: MoEConfig, dense: bool, keys: Array) -> 
     Block i gets keys[i], so the weights equal those of building the blocks one by one."""
     if len(keys) == 0:
         return None
-    return eqx.filter_vmap(lambda k: Block(cfg, moe, dense, k))(keys)
+    return eqx.filter_vmap(lambda k: Block.init(cfg, moe, dense, k))(keys)
 
 
 def stack_depth(stack: Block) -> int:

@@ -53,6 +53,7 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
@@ -68,7 +69,7 @@ from moelab.model.dispatch.pooled_wave import (
     wave_capacities,
     wave_drops,
 )
-from moelab.model.moe import MoE
+from moelab.model.moe import EXCHANGE_IN, EXCHANGE_OUT, MoE
 from moelab.model.router import Routing
 from moelab.parallel.mesh import AXES, BATCH, EXPERT
 
@@ -122,8 +123,21 @@ class ExpertParallelDispatch:
                               f"must split evenly over the mesh's {devices} devices")
         body = partial(_local_dispatch, moe=moe, ep=self.mesh.shape[AXIS],
                        exchange=self.exchange)
+        # check_vma off: the CPU grouped kernel's loops carry buffers made in place, which
+        # the varying-axes type check would reject (the drop counts are psum'd explicitly)
         return jax.shard_map(body, mesh=self.mesh, in_specs=(BATCH, BATCH, EXPERT),
-                             out_specs=(BATCH, P()))(x, routing, experts)
+                             out_specs=(BATCH, P()), check_vma=False)(x, routing, experts)
+
+
+def received(a: Array) -> Array:
+    """What an exchange brought to this device: kept by `model.remat: save_moe`, so the
+    backward pass does not run the exchange again to recompute it."""
+    return checkpoint_name(a, EXCHANGE_IN)
+
+
+def returned(a: Array) -> Array:
+    """What came back from the experts' devices (kept by save_moe likewise)."""
+    return checkpoint_name(a, EXCHANGE_OUT)
 
 
 def _psum(drops: Drops, axes) -> Drops:
@@ -167,9 +181,9 @@ def _exchange_slots(
     g, e, c, d = slots.shape
     e_loc = e // ep
     send = jnp.swapaxes(slots.reshape(g, ep, e_loc, c, d), 0, 1)  # [ep(dst), G, E_loc, C, D]
-    recv = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)  # [ep(src), G, E_loc, C, D]
+    recv = received(jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True))  # [ep(src), G, E_loc, C, D]
     out = local_experts(experts)(recv.reshape(ep * g, e_loc, c, d))
-    back = jax.lax.all_to_all(out.reshape(ep, g, e_loc, c, d), AXIS, 0, 0, tiled=True)
+    back = returned(jax.lax.all_to_all(out.reshape(ep, g, e_loc, c, d), AXIS, 0, 0, tiled=True))
     return jnp.swapaxes(back, 0, 1).reshape(g, e, c, d)
 
 
@@ -178,7 +192,7 @@ def _exchange_slots(
 
 def _count_table(s: Sorted, ep: int) -> Int[Array, "src dst E_loc"]:
     """Rows every device of the expert group sends to every local expert of every device."""
-    return jax.lax.all_gather(s.group_sizes, AXIS).reshape(ep, ep, -1)
+    return received(jax.lax.all_gather(s.group_sizes, AXIS)).reshape(ep, ep, -1)
 
 
 def _row_bound(n_rows: int, moe: MoEConfig, ep: int) -> int:
@@ -226,11 +240,11 @@ def _padded_rows(
     dst = s.expert // e_loc  # rows are sorted by expert, so by destination too
     pos = jnp.arange(n_rows) - _exclusive_cumsum(s.group_sizes.reshape(ep, e_loc).sum(1))[dst]
     send = jnp.zeros((ep, bound, d), rows.dtype).at[dst, pos].set(rows)
-    recv = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)  # [ep(src), bound, D]
-    received = table[:, jax.lax.axis_index(AXIS)]  # [ep(src), E_loc]
-    out = _compute_received(recv.reshape(ep * bound, d), jnp.arange(ep) * bound, received,
+    recv = received(jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True))  # [ep(src), bound, D]
+    counts = table[:, jax.lax.axis_index(AXIS)]  # [ep(src), E_loc]
+    out = _compute_received(recv.reshape(ep * bound, d), jnp.arange(ep) * bound, counts,
                             experts, moe)
-    back = jax.lax.all_to_all(out.reshape(ep, bound, d), AXIS, 0, 0, tiled=True)
+    back = returned(jax.lax.all_to_all(out.reshape(ep, bound, d), AXIS, 0, 0, tiled=True))
     return back[dst, pos]
 
 
@@ -247,12 +261,12 @@ def _ragged_rows(
     recv_start = _exclusive_cumsum(recv_sizes)  # where each peer's rows land here
     at_peer = _exclusive_cumsum(per_device, axis=0)[me]  # where mine land on each peer
     back_at = _exclusive_cumsum(per_device, axis=1)[:, me]  # where peers' rows sat at home
-    received = jnp.zeros((ep * _row_bound(n_rows, moe, ep), d), rows.dtype)
-    received = jax.lax.ragged_all_to_all(rows, received, my_offsets, send_sizes, at_peer,
-                                         recv_sizes, axis_name=AXIS)
-    out = _compute_received(received, recv_start, table[:, me], experts, moe)
-    return jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), recv_start, recv_sizes,
-                                     back_at, send_sizes, axis_name=AXIS)
+    empty = jnp.zeros((ep * _row_bound(n_rows, moe, ep), d), rows.dtype)
+    received_rows = received(jax.lax.ragged_all_to_all(rows, empty, my_offsets, send_sizes,
+                                                       at_peer, recv_sizes, axis_name=AXIS))
+    out = _compute_received(received_rows, recv_start, table[:, me], experts, moe)
+    return returned(jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), recv_start,
+                                              recv_sizes, back_at, send_sizes, axis_name=AXIS))
 
 
 # ----------------------------------------------------------------------------- ring
@@ -266,7 +280,7 @@ def _ring(
     Capacity groups are the same as under all_to_all (pool_size 0 = one device's batch),
     so every device of the group counts the same drops: the count is summed over data only.
     """
-    gather = lambda a: jax.lax.all_gather(a, AXIS, axis=0, tiled=True)
+    gather = lambda a: received(jax.lax.all_gather(a, AXIS, axis=0, tiled=True))
     xs, rs = gather(x), jax.tree.map(gather, routing)
     first = jax.lax.axis_index(AXIS) * (moe.n_experts // ep)  # my first expert
     if moe.dispatch == "dropless":
@@ -323,7 +337,7 @@ def _pooled_wave(
     es, ws = routing.experts.reshape(-1, k), routing.weights.reshape(-1, k)
     send_cap, keep_cap = wave_capacities(es.shape[0], moe, ep)
     plan = send_plan(es, moe.n_experts, ep, send_cap)
-    table = jax.lax.all_gather(plan.counts, AXIS)  # [ep(src), E]: rows shipped per expert
+    table = received(jax.lax.all_gather(plan.counts, AXIS))  # [ep(src), E]: rows per expert
     rank = pooled_rank(plan, es, jax.lax.axis_index(AXIS), table)
     kept = plan.sent & (rank < keep_cap)
     n_slots = e_loc * keep_cap  # a receiver's slots; index n_slots marks "drop"
@@ -337,12 +351,12 @@ def _pooled_wave(
     chunks = [slice(w * wave, (w + 1) * wave) for w in range(moe.waves)]
     slots, metas = jnp.zeros((n_slots, d), x.dtype), []
     for chunk in chunks:  # ship in waves: only one wave's rows are in flight at a time
-        got, where = swap(send[:, chunk]), swap(meta[:, chunk])
+        got, where = received(swap(send[:, chunk])), received(swap(meta[:, chunk]))
         slots = slots.at[where.reshape(-1)].add(got.reshape(-1, d), mode="drop")
         metas.append(where)
     out = experts(slots.reshape(e_loc, keep_cap, d)).reshape(n_slots, d)
     back = jnp.concatenate(
-        [swap(out.at[where].get(mode="fill", fill_value=0)) for where in metas], axis=1)
+        [returned(swap(out.at[where].get(mode="fill", fill_value=0))) for where in metas], axis=1)
     picked = back.at[plan.dst, pos].get(mode="fill", fill_value=0)  # [T, K, D]
     y = jnp.einsum("tk,tkd->td", jnp.where(kept, ws, 0.0).astype(x.dtype), picked)
     return y.reshape(b, s_len, d), _psum(wave_drops(plan.sent, kept, ep * send_cap), AXES)

@@ -278,7 +278,7 @@ def load_latest(run_dir: str | Path):
         # Shapes only: building a real random model just to overwrite it costs a compile.
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
-        model = eqx.filter_eval_shape(Transformer, cfg.model, cfg.moe, jax.random.key(0))
+        model = eqx.filter_eval_shape(Transformer.init, cfg.model, cfg.moe, jax.random.key(0))
         model = jax.tree.map(on_device, model)
         optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
         opt_state = jax.tree.map(on_device, eqx.filter_eval_shape(

@@ -55,7 +55,7 @@ def prepared_data(cfg: Config) -> Path:
 
 def build_model(cfg: Config, mesh):
     """The initial model, each array born on the mesh with its sharding."""
-    model = init_sharded(lambda key: Transformer(cfg.model, cfg.moe, key), mesh,
+    model = init_sharded(lambda key: Transformer.init(cfg.model, cfg.moe, key), mesh,
                          jax.random.key(cfg.train.seed))
     if cfg.mesh.expert > 1:
         from moelab.parallel.expert import expert_parallel

@@ -17,11 +17,13 @@ class Experts(eqx.Module):
     w_up: Float[Array, "E D F"]
     w_down: Float[Array, "E F D"]
 
-    def __init__(self, n_experts: int, d_model: int, d_ff: int, std: float, key: PRNGKeyArray):
+    @classmethod
+    def init(cls, n_experts: int, d_model: int, d_ff: int, std: float, key: PRNGKeyArray
+             ) -> Experts:
         k1, k2, k3 = jax.random.split(key, 3)
-        self.w_gate = normal(k1, (n_experts, d_model, d_ff), std)
-        self.w_up = normal(k2, (n_experts, d_model, d_ff), std)
-        self.w_down = normal(k3, (n_experts, d_ff, d_model), std)
+        return cls(w_gate=normal(k1, (n_experts, d_model, d_ff), std),
+                   w_up=normal(k2, (n_experts, d_model, d_ff), std),
+                   w_down=normal(k3, (n_experts, d_ff, d_model), std))
 
     @property
     def n_experts(self) -> int:
