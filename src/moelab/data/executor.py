@@ -13,6 +13,7 @@ not guessed from one high-water mark of a long-lived worker.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing
 import os
@@ -27,11 +28,20 @@ from moelab.errors import UserError
 
 Task = Callable[[], Any]  # a picklable zero-argument callable (a functools.partial)
 _HWM = re.compile(r"VmHWM:\s+(\d+) kB")
+try:
+    _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim  # glibc's; absent on other C libraries
+except (AttributeError, OSError, TypeError):
+    _MALLOC_TRIM = None
 
 
 def reset_peak_rss() -> None:
-    """Restart this process's RSS high-water mark from its current RSS (Linux >= 4.0;
-    elsewhere the mark keeps counting from the process start, an upper bound)."""
+    """Hand back what earlier work freed, then restart this process's RSS high-water mark
+    from its current RSS (Linux >= 4.0; elsewhere the mark keeps counting from the process
+    start, an upper bound). Without the trim, a long-lived worker keeps the heap of its
+    largest task so far, in every malloc arena (the tokenizers' Rust threads allocate
+    through malloc too), and each later task's peak starts from there."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
     try:
         with open("/proc/self/clear_refs", "w") as file:
             file.write("5")

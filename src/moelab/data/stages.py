@@ -63,7 +63,10 @@ BANDS = pa.schema([("key", pa.uint64()), ("doc_id", pa.int64())])
 PAIRS = pa.schema([("a", pa.int64()), ("b", pa.int64())])
 TOKENS = pa.schema([("doc_id", pa.int64()), ("source", pa.string()), ("split", pa.string()),
                     ("ids", pa.list_(pa.uint32()))])
-ENCODE_CHUNK = 64  # documents per encode_batch call
+# Characters per encode_batch call: the Encoding objects (ids, token strings, masks; ~100
+# bytes a token) of one call are a task's largest allocation, so a chunk is bounded in
+# text, not in documents (a shard of 32 long documents would otherwise cost ~200 MB).
+ENCODE_CHARS = 500_000
 ROW_GROUP = 65_536  # rows per Parquet row group of the merged drop lists
 
 
@@ -403,23 +406,47 @@ def tokenize(plan: Plan, shard: int, counts: dict[str, dict], val_fraction: floa
     if done(tokens_out, manifest_out):
         return
     tokenizer = Tokenizer.from_file(str(plan.path(TOKENIZER_FILE)))
-    eos_id = tokenizer.token_to_id(EOS)
+    eos = np.array([tokenizer.token_to_id(EOS)], np.uint32)
     kept = list(_kept_texts(plan, shard))
-    encoded: dict[int, tuple[str, list[int]]] = {}
-    for start in range(0, len(kept), ENCODE_CHUNK):
-        chunk = kept[start : start + ENCODE_CHUNK]
+    encoded: dict[int, tuple[str, np.ndarray]] = {}
+    for chunk in _chunks_of_chars(kept, ENCODE_CHARS):
         encodings = tokenizer.encode_batch_fast([text for _, text in chunk])
         for (record, _), encoding in zip(chunk, encodings, strict=True):
             split = split_of(record["sha256"], counts[record["source"]], val_fraction)
-            encoded[record["doc_id"]] = (split, [*encoding.ids, eos_id])
-    tokens = [{"doc_id": r["doc_id"], "source": r["source"], "split": encoded[r["doc_id"]][0],
-               "ids": encoded[r["doc_id"]][1]} for r, _ in kept]
-    write_table(tokens_out, pa.Table.from_pylist(tokens, schema=TOKENS))
+            encoded[record["doc_id"]] = (split, np.append(np.array(encoding.ids, np.uint32),
+                                                          eos))
+        del encodings
+    arrays = [encoded[r["doc_id"]][1] for r, _ in kept]
+    offsets = np.cumsum([0, *map(len, arrays)]).astype(np.int32)
+    tokens = pa.table({
+        "doc_id": pa.array([r["doc_id"] for r, _ in kept], pa.int64()),
+        "source": pa.array([r["source"] for r, _ in kept], pa.string()),
+        "split": pa.array([encoded[r["doc_id"]][0] for r, _ in kept], pa.string()),
+        "ids": pa.ListArray.from_arrays(
+            pa.array(offsets), pa.array(np.concatenate([np.zeros(0, np.uint32), *arrays]))),
+    }, schema=TOKENS)
+    write_table(tokens_out, tokens)
     records = read_table(plan.shard_file("decided", shard)).to_pylist()
     for record in records:
         split, ids = encoded.get(record["doc_id"], ("", []))
         record["split"], record["tokens"] = split, len(ids)
     write_table(manifest_out, pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA))
+
+
+def _chunks_of_chars(docs: list[tuple[dict, str]],
+                     chars: int) -> Iterator[list[tuple[dict, str]]]:
+    """Consecutive runs of (record, text) of at most `chars` characters (a longer text
+    alone)."""
+    chunk: list[tuple[dict, str]] = []
+    size = 0
+    for doc in docs:
+        if chunk and size + len(doc[1]) > chars:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(doc)
+        size += len(doc[1])
+    if chunk:
+        yield chunk
 
 
 def stream_pieces(plan: Plan, dtype: np.dtype) -> Iterator[tuple[tuple[str, str], np.ndarray]]:
