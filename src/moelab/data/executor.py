@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+import pyarrow as pa
 from tqdm import tqdm
 
 from moelab.errors import UserError
@@ -40,6 +41,7 @@ def reset_peak_rss() -> None:
     start, an upper bound). Without the trim, a long-lived worker keeps the heap of its
     largest task so far, in every malloc arena (the tokenizers' Rust threads allocate
     through malloc too), and each later task's peak starts from there."""
+    pa.default_memory_pool().release_unused()  # Arrow's own allocator (mimalloc) keeps it
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
     try:
