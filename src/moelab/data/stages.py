@@ -20,10 +20,11 @@ range of a sorted file, it is compressed, and every engine (Ray Data, datatrove,
 DuckDB) reads it. Memory: a shard task holds one shard; a partition task holds 1/P of
 the keys; `clusters` holds the candidate pairs and the near-dropped ids (it grows with
 the duplicates, not the corpus, like datatrove's cluster stage); the tokenizer sees a
-sample capped in characters, streamed. The hash shuffle of a keyed stage writes one map
-file per shard, each partition's rows in row groups of their own tagged by a `part`
-column: a partition task reads only its row groups of every map file (shards files per
-stage, not shards x partitions).
+sample capped in characters, streamed; tokenize encodes ENCODE_CHARS at a time with one
+tokenizer per process (prepare's per-stage RSS probe is how these were found). The hash
+shuffle of a keyed stage writes one map file per shard, each partition's rows in row
+groups of their own tagged by a `part` column: a partition task reads only its row groups
+of every map file (shards files per stage, not shards x partitions).
 """
 
 from __future__ import annotations
