@@ -9,8 +9,9 @@ with `git archive` into a temporary directory (a detached copy: no worktree entr
 added to the shared repository) and run with PYTHONPATH pointing at it. Each prepare runs
 in a fresh process, alternating this/reference (A/B/A/B...) so that a change in the
 machine's load hits both alike; both the prepare call and the whole process (imports
-included, which `moelab train` also pays) are timed. The load average is recorded; on a
-busy machine no results are written unless --force. Writes bench/results/prepare_default.json.
+included, which `moelab train` also pays) are timed, and the CPU seconds of each process
+with its workers are recorded. The load average is recorded; on a busy machine no results
+are written unless --force. Writes bench/results/prepare_default.json.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -59,23 +61,30 @@ def export_src(commit: str, into: Path) -> Path:
     return into / "src"
 
 
+def cpu_seconds_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_once(src: Path, out: Path) -> dict:
-    """One default-corpus prepare in a fresh process: prepare and whole-process seconds."""
-    start = time.perf_counter()
+    """One default-corpus prepare in a fresh process: prepare and whole-process seconds,
+    and the CPU seconds of the process and its pool workers (less sensitive to other
+    work on the machine than wall time, though not immune: caches, frequency)."""
+    start, cpu = time.perf_counter(), cpu_seconds_of_children()
     done = subprocess.run([sys.executable, "-c", CHILD, str(out)], capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(src)}, check=False)
-    process = time.perf_counter() - start
+    process, cpu = time.perf_counter() - start, cpu_seconds_of_children() - cpu
     if done.returncode:
         raise SystemExit(f"prepare with PYTHONPATH={src} failed:\n{done.stderr[-3000:]}")
     meta = json.loads((out / "meta.json").read_text())
     tokens = sum(sum(meta[f"{split}_tokens"].values()) for split in ("train", "val"))
     return {"prepare": round(float(done.stdout.split()[-1]), 3), "process": round(process, 3),
-            "tokens": tokens}
+            "cpu": round(cpu, 3), "tokens": tokens}
 
 
 def summary(runs: list[dict]) -> dict:
     return {key: {"runs": [r[key] for r in runs], "median": statistics.median(r[key] for r in runs)}
-            for key in ("prepare", "process")}
+            for key in ("prepare", "process", "cpu")}
 
 
 def main() -> None:
@@ -97,7 +106,8 @@ def main() -> None:
                 run = run_once(srcs[name], tmp / f"{name}-{rep}")
                 trees[name].append(run)
                 print(f"rep {rep} {name:>9}: prepare {run['prepare']:.2f} s, process "
-                      f"{run['process']:.2f} s, {run['tokens']} tokens", flush=True)
+                      f"{run['process']:.2f} s, CPU {run['cpu']:.2f} s, {run['tokens']} tokens",
+                      flush=True)
     this, ref = summary(trees["this"]), summary(trees["reference"])
     result = {
         "this_commit": git("rev-parse", "HEAD"), "this_dirty": bool(git("status", "--porcelain",
@@ -108,8 +118,9 @@ def main() -> None:
             key: round(this[key]["median"] / ref[key]["median"], 3) for key in this},
         "machine": describe(load_before, load_per_core()),
     }
-    print(f"this / reference (medians): prepare {result['ratio_this_over_reference']['prepare']},"
-          f" whole process {result['ratio_this_over_reference']['process']}")
+    ratio = result["ratio_this_over_reference"]
+    print(f"this / reference (medians): prepare {ratio['prepare']}, whole process "
+          f"{ratio['process']}, CPU {ratio['cpu']}")
     refuse_if_busy(result["machine"], args.force)
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1) + "\n")
