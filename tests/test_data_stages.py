@@ -15,7 +15,7 @@ import pytest
 from conftest import words_text, write_corpus
 
 from moelab.cli import main
-from moelab.data import quality, stages
+from moelab.data import executor, quality, stages
 from moelab.data.dedup import BUCKET_WINDOW, bucket_pairs, cluster_roots
 from moelab.data.loader import read_meta
 from moelab.data.prepare import WORK_DIR, prepare
@@ -46,7 +46,10 @@ def corpus_with_duplicates(root: Path) -> dict[str, str]:
 def test_output_does_not_depend_on_shards_partitions_or_workers(tmp_path):
     sources = corpus_with_duplicates(tmp_path)
     prepare(tmp_path / "one", sources, workers=1, shard_docs=1000, **SMALL)
-    prepare(tmp_path / "many", sources, workers=2, shard_docs=3, partitions=4, **SMALL)
+    result = prepare(tmp_path / "many", sources, workers=2, shard_docs=3, partitions=4, **SMALL)
+    assert set(result["peak_rss_mb"]["tasks"]) == {"ingest", "exact", "band", "pair", "decide",
+                                                   "tokenize"}  # every stage's tasks probed
+    assert set(result["peak_rss_mb"]["driver"]) == set(result["seconds"])
     one, many = tree_bytes(tmp_path / "one"), tree_bytes(tmp_path / "many")
     assert len([n for n in many if n.startswith("manifest/")]) == 9  # 25 documents / 3
     for name in ("tokenizer.json", "meta.json", "a.train.npy", "a.val.npy", "b.train.npy"):
@@ -59,6 +62,19 @@ def test_output_does_not_depend_on_shards_partitions_or_workers(tmp_path):
     assert by_name["copy.txt"]["reason"] == f"exact_dup_of:{tmp_path / 'a' / 'doc003.txt'}"
     assert by_name["near.txt"]["reason"] == f"near_dup_of:{tmp_path / 'a' / 'doc003.txt'}"
     assert not (tmp_path / "many" / WORK_DIR).exists()
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                    reason="needs Linux's resettable RSS high-water mark")
+def test_the_rss_probe_sees_a_task_allocation_and_forgets_it_after_a_reset():
+    def allocate() -> int:
+        block = b"x" * (64 << 20)  # 64 MiB, every page written, so resident
+        return len(block)
+
+    size, peak = executor.measured(allocate)
+    executor.reset_peak_rss()  # the block is freed (unmapped): the mark restarts below it
+    assert size == 64 << 20
+    assert peak - executor.peak_rss_mb() >= 60  # 64 MiB seen (probe MB are MiB), then forgotten
 
 
 def test_clusters_are_merged_and_name_the_first_document():
