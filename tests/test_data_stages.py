@@ -18,7 +18,7 @@ from moelab.cli import main
 from moelab.data import executor, quality, stages
 from moelab.data.dedup import BUCKET_WINDOW, bucket_pairs, cluster_roots
 from moelab.data.loader import read_meta
-from moelab.data.prepare import WORK_DIR, prepare
+from moelab.data.prepare import SHARD_DOCS, SMALL_CORPUS_DOCS, WORK_DIR, default_shard_docs, prepare
 from moelab.data.provenance import read_manifest
 from moelab.errors import UserError
 
@@ -75,6 +75,27 @@ def test_the_rss_probe_sees_a_task_allocation_and_forgets_it_after_a_reset():
     executor.reset_peak_rss()  # the block is freed (unmapped): the mark restarts below it
     assert size == 64 << 20
     assert peak - executor.peak_rss_mb() >= 60  # 64 MiB seen (probe MB are MiB), then forgotten
+
+
+def arrow_then_pandas_loaded() -> bool:
+    """Whether pandas is imported in this process after pyarrow built an array (a task)."""
+    import pyarrow as pa
+
+    assert pa.array([1, 2], pa.int64()).to_pylist() == [1, 2]
+    return "pandas" in sys.modules
+
+
+def test_pool_workers_use_arrow_without_importing_pandas():
+    with executor.Executor(workers=2) as pool:
+        loaded = pool.map([arrow_then_pandas_loaded] * 2, "probe")
+    assert loaded == [False, False]
+
+
+def test_a_small_corpus_gets_two_tasks_per_worker_and_a_large_one_fixed_shards():
+    assert default_shard_docs(800, 2) == 200  # the default corpus: 4 tasks on 2 workers
+    assert default_shard_docs(800, 1) == 400
+    assert default_shard_docs(10, 2) == SHARD_DOCS  # never below the large-corpus size
+    assert default_shard_docs(SMALL_CORPUS_DOCS + 1, 2) == SHARD_DOCS  # memory stays bounded
 
 
 def test_clusters_are_merged_and_name_the_first_document():

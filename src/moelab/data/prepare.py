@@ -36,7 +36,12 @@ from moelab.errors import UserError
 
 WORK_DIR = ".stages"  # stage outputs, inside the dataset directory: every worker sees it
 PLAN_FILE = "plan.json"
-SHARD_DOCS = 32  # documents per shard: 25 tasks balance two cores on the default 800
+SHARD_DOCS = 32  # documents per shard of a large corpus: a task's memory is one shard's
+# A small corpus (the default one `moelab train` waits for: ~800 files) gets bigger
+# shards instead, TASKS_PER_WORKER per worker: at 32 documents it made ~150 tasks whose
+# fixed costs (a Parquet round trip, pool dispatch) cost more than the tasks' work.
+SMALL_CORPUS_DOCS = 1024
+TASKS_PER_WORKER = 2
 SHARDS_PER_PARTITION = 8  # default partitions: one per 8 shards (files: shards x partitions)
 MAX_PARTITIONS = 64
 TOKENIZER_SAMPLE_CHARS = 64_000_000  # ~64 MB of text: more than the default corpus holds
@@ -92,21 +97,22 @@ def prepare(
     those failing a quality threshold ({score: [min, max]} over quality's defaults) and
     those in a near-duplicate cluster (MinHash Jaccard >= near_dup_threshold) behind its
     first document; about val_fraction of each source's documents are held out. workers /
-    use_ray choose the executor (None = one process per CPU); shard_docs (None = 32) and
-    partitions (None = one per 8 shards, at most 64) size the tasks; the tokenizer trains on at most
-    tokenizer_sample_chars of train text, sampled with seed. The output bytes depend on
-    neither the executor nor the number of workers.
+    use_ray choose the executor (None = one process per CPU); shard_docs (None =
+    default_shard_docs) and partitions (None = one per 8 shards, at most 64) size the
+    tasks; the tokenizer trains on at most tokenizer_sample_chars of train text, sampled
+    with seed. The output bytes depend on neither the executor nor the number of workers.
     """
     _check_settings(vocab_size, near_dup_threshold, val_fraction, min_chars)
     thresholds = quality.check_thresholds(quality_thresholds or {})
-    shard_docs = SHARD_DOCS if shard_docs is None else shard_docs
-    if shard_docs < 1 or (partitions is not None and partitions < 1):
+    if shard_docs is not None and shard_docs < 1 or (partitions is not None and partitions < 1):
         raise UserError("shard_docs and partitions must be >= 1")
     globs = source_globs(DEFAULT_SOURCES if sources is None else sources)
     phases = _Phases()
     with phases("list"):
         docs = list_documents(globs, max_docs_per_source)
     bands, rows = lsh_bands(near_dup_threshold)
+    if shard_docs is None:
+        shard_docs = default_shard_docs(len(docs), workers)
     n_shards = -(-len(docs) // shard_docs)
     plan = stages.Plan(
         work=str(Path(out_dir) / WORK_DIR), n_docs=len(docs), shard_docs=shard_docs,
@@ -137,6 +143,16 @@ def prepare(
     # tasks: the largest peak of one task per stage (in the driver when workers == 1)
     return {**meta, "seconds": phases.seconds,
             "peak_rss_mb": {"driver": phases.driver_rss_mb, "tasks": executor.peak_rss_mb}}
+
+
+def default_shard_docs(n_docs: int, workers: int | None) -> int:
+    """SHARD_DOCS, or for a corpus of at most SMALL_CORPUS_DOCS documents enough to make
+    TASKS_PER_WORKER tasks per worker (None = one per CPU): the output bytes do not depend
+    on the shard size, and a small corpus's shards stay small in memory."""
+    if n_docs > SMALL_CORPUS_DOCS:
+        return SHARD_DOCS
+    tasks = TASKS_PER_WORKER * (workers or os.cpu_count() or 1)
+    return max(SHARD_DOCS, -(-n_docs // tasks))
 
 
 def _start_work(plan: stages.Plan, fingerprint: str) -> None:
