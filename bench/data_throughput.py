@@ -5,13 +5,14 @@
 
 Corpus: the `installed` preset (every installed package's Python sources + system docs),
 `--docs` documents per source at 1x; a larger scale is a superset (files are sampled by
-path hash). Each prepare runs in a fresh process so its peak RSS (ru_maxrss of the driver
-and of its largest worker) is its own. The tokenizer sample is capped below the 1x text
-(--tokenizer-chars) so every scale trains on the same amount: that cap is what bounds the
-tokenizer's memory. Then, on the 1x input: the Ray executor (a local runtime, num_cpus =
-workers) against the local one; on the largest input, datatrove's MinHash pipeline against
-moelab's near-dup stages with the same n-grams and bands, single process each. Writes
-bench/results/data_throughput.json.
+path hash). Each prepare runs in a fresh process; its peak RSS is read per stage (prepare's
+own probe: the driver's high-water mark per phase and the largest of any task per stage,
+each reset when its phase or task starts), so growth is located by stage. The tokenizer
+sample is capped below the 1x text (--tokenizer-chars) so every scale trains on the same
+amount: that cap is what bounds the tokenizer's memory. Then, on the 1x input: the Ray
+executor (a local runtime, num_cpus = workers) against the local one; on the largest
+input, datatrove's MinHash pipeline against moelab's near-dup stages with the same n-grams
+and bands, single process each. Writes bench/results/data_throughput.json.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "data_throughput.json"
+DEDUP_PHASES = ("exact", "merge_exact", "band", "pair", "cluster", "decide")
 
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
 settings = json.loads(sys.argv[1])
 if settings.pop("ray", False):
     import ray
@@ -48,11 +50,9 @@ start = time.perf_counter()
 meta = prepare(settings.pop("out"), SOURCE_PRESETS[preset], max_chars=DEFAULT_MAX_CHARS,
                **settings)
 seconds = time.perf_counter() - start
-rss = {who: resource.getrusage(r).ru_maxrss // 1024
-       for who, r in (("driver", resource.RUSAGE_SELF), ("worker", resource.RUSAGE_CHILDREN))}
 print(json.dumps({"seconds": seconds, "phases": meta["seconds"], "documents": meta["documents"],
                   "tokens": sum(sum(meta[f"{s}_tokens"].values()) for s in ("train", "val")),
-                  "peak_rss_mb": rss, "ray_init_seconds": ray_init}))
+                  "rss_by_stage_mb": meta["peak_rss_mb"], "ray_init_seconds": ray_init}))
 """
 
 
@@ -67,8 +67,11 @@ def run_prepare(out: Path, **settings: object) -> dict:
     # stages: without "list", the preset's globbing of the whole filesystem, whatever the
     # sample size (~20 s for `installed`), and without the process's imports
     stage_seconds = sum(v for k, v in result["phases"].items() if k != "list")
+    by_stage = result["rss_by_stage_mb"]
     result.update(docs=docs, docs_per_s=round(docs / result["seconds"], 1),
-                  docs_per_s_stages=round(docs / stage_seconds, 1))
+                  docs_per_s_stages=round(docs / stage_seconds, 1),
+                  peak_rss_mb={"driver": max(by_stage["driver"].values()),
+                               "worker": max(by_stage["tasks"].values())})
     return result
 
 
@@ -157,7 +160,7 @@ def moelab_near_dups(tmp: Path, docs: list[tuple[str, str]]) -> dict:
         if record["reason"].startswith("near_dup_of:"):
             index = int(Path(record["path"]).stem)
             partner[docs[index][0]] = docs[int(Path(record["reason"][12:]).stem)][0]
-    seconds = signing + meta["seconds"]["dedup"]
+    seconds = signing + sum(meta["seconds"][phase] for phase in DEDUP_PHASES)
     return {"removed": partner, "seconds": round(seconds, 2),
             "docs_per_s": round(len(docs) / seconds, 1),
             "bands": meta["settings"]["minhash"]["bands"],
@@ -270,41 +273,14 @@ def versus_datatrove(tmp: Path, args: argparse.Namespace) -> dict:
     return result
 
 
-def default_corpus(tmp: Path, baseline_src: str | None, repeats: int) -> dict:
-    """What `moelab train` waits for the first time: the default corpus from scratch, in a
-    fresh process; with baseline_src, alternately with another checkout's moelab (ABAB,
-    so that a change in the machine's load hits both alike)."""
-    code = ("import time; from moelab.data.prepare import ensure_default_corpus as e; "
-            "t = time.perf_counter(); e(__import__('sys').argv[1]); "
-            "print(time.perf_counter() - t)")
-    trees = {"this": os.environ.get("PYTHONPATH", "")}
-    if baseline_src:
-        trees["baseline"] = baseline_src
-    seconds: dict[str, list[float]] = {name: [] for name in trees}
-    for i in range(repeats):
-        for name, src in trees.items():
-            out = tmp / f"default-{name}-{i}"
-            done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True,
-                                  text=True, check=True, env={**os.environ, "PYTHONPATH": src})
-            seconds[name].append(round(float(done.stdout.split()[-1]), 2))
-    result: dict = {"seconds": seconds}
-    if baseline_src:
-        result["ratio_this_over_baseline"] = round(
-            sum(seconds["this"]) / sum(seconds["baseline"]), 3)
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=500, help="documents per source at 1x")
     parser.add_argument("--scales", default="1,4,16")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
-    parser.add_argument("--tokenizer-chars", type=int, default=4_000_000,
+    parser.add_argument("--tokenizer-chars", type=int, default=2_000_000,
                         help="tokenizer sample cap (below the 1x text, see the docstring)")
     parser.add_argument("--examples", type=int, default=3, help="disagreements shown per side")
-    parser.add_argument("--baseline-src", default=None,
-                        help="another checkout's src/ to time the default corpus against")
-    parser.add_argument("--repeats", type=int, default=2, help="default-corpus timings each")
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON to write")
     parser.add_argument("--no-ray", action="store_true")
     parser.add_argument("--no-datatrove", action="store_true")
@@ -318,8 +294,6 @@ def main() -> None:
                     "tokenizer_sample_chars": args.tokenizer_chars}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        result["default_corpus"] = default_corpus(tmp, args.baseline_src, args.repeats)
-        print(f"default corpus: {result['default_corpus']}", flush=True)
         result["scale"] = scale_runs(tmp, args)
         if not args.no_ray:
             result["ray_vs_local"] = ray_vs_local(tmp, args, result["scale"]["runs"]["1x"])

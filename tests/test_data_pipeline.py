@@ -122,18 +122,16 @@ def test_failed_or_interrupted_prepare_never_leaves_a_complete_looking_dataset(
         prepare(out, {"docs": str(tmp_path / "*.nothing")}, **SMALL)
     assert Loader(out, seq_len=8, batch_size=2).batch(0).shape == (2, 9)
 
-    real_write, written = prepare_module.write_stream, []
+    real_write, written = prepare_module.write_streams, []
 
-    def write_then_crash(path, pieces, total, dtype):  # the second stream is cut off halfway
-        written.append(path)
-        if len(written) == 1:
-            return real_write(path, pieces, total, dtype)
-        return real_write(path, _interrupted(pieces), total, dtype)
+    def write_then_crash(paths, totals, pieces, dtype):  # cut off after the first piece
+        written.extend(paths.values())
+        return real_write(paths, totals, _interrupted(pieces), dtype)
 
-    monkeypatch.setattr(prepare_module, "write_stream", write_then_crash)
+    monkeypatch.setattr(prepare_module, "write_streams", write_then_crash)
     with pytest.raises(KeyboardInterrupt):
         prepare(out, sources, **SMALL)
-    assert np.load(written[1]).dtype == np.uint16  # the old shard, whole
+    assert all(np.load(path).dtype == np.uint16 for path in written)  # the old shards, whole
     assert not (out / "meta.json").exists()
     assert not list(out.glob(".*.tmp"))
     with pytest.raises(UserError, match="not a prepared dataset"):

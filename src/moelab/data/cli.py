@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="override a quality threshold, either bound may be empty "
                          "(word_count=20:, dup_5gram_fraction=:0.3, word_count=: turns it off)")
     prepare.add_argument("--shard-docs", type=int, default=None,
-                         help="documents per shard (default 32)")
+                         help="documents per shard (default 32; small corpora: 2 tasks/worker)")
     prepare.add_argument("--workers", type=int, default=None,
                          help="local processes (default: one per CPU)")
     prepare.add_argument("--ray", action="store_true",

@@ -5,22 +5,69 @@ there itself; it returns only a small summary (counts). So the data moves throug
 filesystem, never through the driver: on a Ray cluster the dataset directory must be a
 path every node sees (NFS, a cloud bucket mounted with FUSE, ...), and the driver holds
 one summary per shard, not the corpus.
+
+Every task also reports its process's peak RSS while it ran (`measured`), and the
+executor keeps the largest per stage (`peak_rss_mb`): memory growth is located by stage,
+not guessed from one high-water mark of a long-lived worker.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing
 import os
+import re
+import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+import pyarrow as pa
 from tqdm import tqdm
 
 from moelab.errors import UserError
 
 Task = Callable[[], Any]  # a picklable zero-argument callable (a functools.partial)
+_HWM = re.compile(r"VmHWM:\s+(\d+) kB")
+try:
+    _MALLOC_TRIM = ctypes.CDLL(None).malloc_trim  # glibc's; absent on other C libraries
+except (AttributeError, OSError, TypeError):
+    _MALLOC_TRIM = None
+
+
+def reset_peak_rss() -> None:
+    """Hand back what earlier work freed, then restart this process's RSS high-water mark
+    from its current RSS (Linux >= 4.0; elsewhere the mark keeps counting from the process
+    start, an upper bound). Without the trim, a long-lived worker keeps the heap of its
+    largest task so far, in every malloc arena (the tokenizers' Rust threads allocate
+    through malloc too), and each later task's peak starts from there."""
+    pa.default_memory_pool().release_unused()  # Arrow's own allocator (mimalloc) keeps it
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    """This process's RSS high-water mark (VmHWM) in MB since the last reset; 0 where
+    /proc is missing."""
+    try:
+        with open("/proc/self/status") as file:
+            found = _HWM.search(file.read())
+    except OSError:
+        return 0.0
+    return round(int(found.group(1)) / 1024, 1) if found else 0.0
+
+
+def measured(task: Task) -> tuple[Any, float]:
+    """The task's result and the peak RSS (MB) of the process while it ran."""
+    reset_peak_rss()
+    result = task()
+    return result, peak_rss_mb()
 
 
 class Executor:
@@ -30,6 +77,7 @@ class Executor:
     def __init__(self, workers: int | None = None) -> None:
         self.workers = workers or os.cpu_count() or 1
         self._pool: Any = None
+        self.peak_rss_mb: dict[str, float] = {}  # stage -> largest peak of one of its tasks
 
     def __enter__(self) -> Executor:
         return self
@@ -42,11 +90,34 @@ class Executor:
     def map(self, tasks: Sequence[Task], desc: str) -> list[Any]:
         """Every task's result, in task order."""
         if self.workers == 1 or len(tasks) <= 1:
-            return [task() for task in tqdm(tasks, desc=desc, unit="shard")]
-        if self._pool is None:  # started once, on first need, for every stage
-            self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
-        results = self._pool.imap(_call, tasks, chunksize=1)
-        return list(tqdm(results, total=len(tasks), desc=desc, unit="shard"))
+            results = map(measured, tasks)
+        else:
+            if self._pool is None:  # started once, on first need, for every stage
+                self._pool = multiprocessing.get_context("spawn").Pool(
+                    self.workers, initializer=_without_pandas)
+            results = self._pool.imap(measured, tasks, chunksize=1)
+        return self._record(desc, list(tqdm(results, total=len(tasks), desc=desc, unit="shard")))
+
+    def _record(self, desc: str, measured_results: list[tuple[Any, float]]) -> list[Any]:
+        """Keep the stage's largest task peak; return the bare results."""
+        peaks = [peak for _, peak in measured_results]
+        self.peak_rss_mb[desc] = max([self.peak_rss_mb.get(desc, 0.0), *peaks])
+        return [result for result, _ in measured_results]
+
+
+class _NoPandas:
+    """An import finder that says pandas is not installed."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "pandas":
+            raise ModuleNotFoundError("pandas is not imported in a pool worker", name=name)
+
+
+def _without_pandas() -> None:
+    """Pool worker start: stage tasks never convert to pandas, but pyarrow imports it
+    (~0.5 s of CPU a process) at its first pa.array only to check whether the input is a
+    pandas object. A worker of ours runs nothing else, so it skips that import."""
+    sys.meta_path.insert(0, _NoPandas())
 
 
 class RayExecutor(Executor):
@@ -74,13 +145,9 @@ class RayExecutor(Executor):
         for row in tqdm(rows.map(partial(_ray_row, tasks=list(tasks))).iter_rows(),
                         total=len(tasks), desc=desc, unit="shard"):
             results[row["index"]] = json.loads(row["result"])
-        return results
-
-
-def _call(task: Task) -> Any:
-    return task()
+        return self._record(desc, results)
 
 
 def _ray_row(row: dict, tasks: list[Task]) -> dict:
     # JSON, so that summaries of any shape pass through Ray's Arrow blocks unchanged
-    return {"index": row["index"], "result": json.dumps(tasks[row["index"]]())}
+    return {"index": row["index"], "result": json.dumps(measured(tasks[row["index"]]))}

@@ -26,17 +26,22 @@ from tokenizers import Tokenizer
 
 from moelab.data import quality, stages
 from moelab.data.dedup import MAX_THRESHOLD, NUM_PERM, SHINGLE_WORDS, lsh_bands
-from moelab.data.executor import Executor, RayExecutor
+from moelab.data.executor import Executor, RayExecutor, peak_rss_mb, reset_peak_rss
 from moelab.data.ingest import list_documents, source_globs
 from moelab.data.loader import META_FILE, SPLITS
 from moelab.data.provenance import MANIFEST_DIR, count_documents, read_manifest, reason_kind
-from moelab.data.shards import read_table, shard_path, token_dtype, write_json, write_stream
+from moelab.data.shards import read_table, shard_path, token_dtype, write_json, write_streams
 from moelab.data.tokenizer import EOS, MIN_VOCAB, TOKENIZER_FILE
 from moelab.errors import UserError
 
 WORK_DIR = ".stages"  # stage outputs, inside the dataset directory: every worker sees it
 PLAN_FILE = "plan.json"
-SHARD_DOCS = 32  # documents per shard: 25 tasks balance two cores on the default 800
+SHARD_DOCS = 32  # documents per shard of a large corpus: a task's memory is one shard's
+# A small corpus (the default one `moelab train` waits for: ~800 files) gets bigger
+# shards instead, TASKS_PER_WORKER per worker: at 32 documents it made ~150 tasks whose
+# fixed costs (a Parquet round trip, pool dispatch) cost more than the tasks' work.
+SMALL_CORPUS_DOCS = 1024
+TASKS_PER_WORKER = 2
 SHARDS_PER_PARTITION = 8  # default partitions: one per 8 shards (files: shards x partitions)
 MAX_PARTITIONS = 64
 TOKENIZER_SAMPLE_CHARS = 64_000_000  # ~64 MB of text: more than the default corpus holds
@@ -84,28 +89,30 @@ def prepare(
     tokenizer_sample_chars: int = TOKENIZER_SAMPLE_CHARS,
     seed: int = 0,
 ) -> dict:
-    """Build a dataset in out_dir and return meta.json's contents plus "seconds" per phase.
+    """Build a dataset in out_dir; return meta.json's contents plus "seconds" and
+    "peak_rss_mb" (driver per phase, largest task per stage) to locate time and memory.
 
     sources: {name: glob or globs, '!glob' excluding}; None = the default corpus.
     Documents outside [min_chars, max_chars] after normalization are dropped, as are
     those failing a quality threshold ({score: [min, max]} over quality's defaults) and
     those in a near-duplicate cluster (MinHash Jaccard >= near_dup_threshold) behind its
     first document; about val_fraction of each source's documents are held out. workers /
-    use_ray choose the executor (None = one process per CPU); shard_docs (None = 32) and
-    partitions (None = one per 8 shards, at most 64) size the tasks; the tokenizer trains on at most
-    tokenizer_sample_chars of train text, sampled with seed. The output bytes depend on
-    neither the executor nor the number of workers.
+    use_ray choose the executor (None = one process per CPU); shard_docs (None =
+    default_shard_docs) and partitions (None = one per 8 shards, at most 64) size the
+    tasks; the tokenizer trains on at most tokenizer_sample_chars of train text, sampled
+    with seed. The output bytes depend on neither the executor nor the number of workers.
     """
     _check_settings(vocab_size, near_dup_threshold, val_fraction, min_chars)
     thresholds = quality.check_thresholds(quality_thresholds or {})
-    shard_docs = SHARD_DOCS if shard_docs is None else shard_docs
-    if shard_docs < 1 or (partitions is not None and partitions < 1):
+    if shard_docs is not None and shard_docs < 1 or (partitions is not None and partitions < 1):
         raise UserError("shard_docs and partitions must be >= 1")
     globs = source_globs(DEFAULT_SOURCES if sources is None else sources)
-    seconds: dict[str, float] = {}
-    with _timed(seconds, "list"):
+    phases = _Phases()
+    with phases("list"):
         docs = list_documents(globs, max_docs_per_source)
     bands, rows = lsh_bands(near_dup_threshold)
+    if shard_docs is None:
+        shard_docs = default_shard_docs(len(docs), workers)
     n_shards = -(-len(docs) // shard_docs)
     plan = stages.Plan(
         work=str(Path(out_dir) / WORK_DIR), n_docs=len(docs), shard_docs=shard_docs,
@@ -127,13 +134,25 @@ def prepare(
     del docs  # from here on the documents live in the list shards
     try:
         with RayExecutor() if use_ray else Executor(workers) as executor:
-            _run_stages(plan, executor, val_fraction, seconds)
+            _run_stages(plan, executor, val_fraction, phases)
     except UserError:  # bad input, not an interruption: leave nothing behind
         shutil.rmtree(out_dir if created else plan.work, ignore_errors=True)
         raise
-    with _timed(seconds, "write"):
+    with phases("write"):
         meta = write_dataset(Path(out_dir), plan, settings)
-    return {**meta, "seconds": seconds}
+    # tasks: the largest peak of one task per stage (in the driver when workers == 1)
+    return {**meta, "seconds": phases.seconds,
+            "peak_rss_mb": {"driver": phases.driver_rss_mb, "tasks": executor.peak_rss_mb}}
+
+
+def default_shard_docs(n_docs: int, workers: int | None) -> int:
+    """SHARD_DOCS, or for a corpus of at most SMALL_CORPUS_DOCS documents enough to make
+    TASKS_PER_WORKER tasks per worker (None = one per CPU): the output bytes do not depend
+    on the shard size, and a small corpus's shards stay small in memory."""
+    if n_docs > SMALL_CORPUS_DOCS:
+        return SHARD_DOCS
+    tasks = TASKS_PER_WORKER * (workers or os.cpu_count() or 1)
+    return max(SHARD_DOCS, -(-n_docs // tasks))
 
 
 def _start_work(plan: stages.Plan, fingerprint: str) -> None:
@@ -149,21 +168,25 @@ def _start_work(plan: stages.Plan, fingerprint: str) -> None:
 
 
 def _run_stages(plan: stages.Plan, executor: Executor, val_fraction: float,
-                seconds: dict[str, float]) -> None:
-    with _timed(seconds, "ingest"):
-        executor.map(stages.tasks(plan, "ingest"), "ingest")
-    with _timed(seconds, "dedup"):
-        executor.map(stages.tasks(plan, "exact"), "exact dedup")
-        stages.merge_exact(plan)
-        executor.map(stages.tasks(plan, "band"), "minhash bands")
-        executor.map(stages.tasks(plan, "pair"), "candidate pairs")
+                phases: _Phases) -> None:
+    """Each stage a phase (seconds and peak RSS); tasks on the executor, one-off steps
+    (merge, clusters, split counts, tokenizer) in the driver."""
+    for name in ("ingest", "exact", "band", "pair"):
+        with phases(name):
+            executor.map(stages.tasks(plan, name), name)
+        if name == "exact":
+            with phases("merge_exact"):
+                stages.merge_exact(plan)
+    with phases("cluster"):
         stages.cluster(plan)
+    with phases("decide"):
         executor.map(stages.tasks(plan, "decide"), "decide")
-    counts = stages.split_counts(plan, val_fraction)
-    _require_kept(plan, counts)
-    with _timed(seconds, "train_tokenizer"):
+    with phases("split_counts"):
+        counts = stages.split_counts(plan, val_fraction)
+        _require_kept(plan, counts)
+    with phases("train_tokenizer"):
         stages.train_on_sample(plan, counts, val_fraction)
-    with _timed(seconds, "tokenize"):
+    with phases("tokenize"):
         executor.map(stages.tasks(plan, "tokenize", counts=counts, val_fraction=val_fraction),
                      "tokenize")
 
@@ -181,11 +204,9 @@ def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
                                          strict=True):
             totals[source, split] += tokens
     dtype = token_dtype(tokenizer.get_vocab_size())
-    for source in sources:
-        for split in SPLITS:
-            write_stream(shard_path(out, source, split),
-                         stages.stream_pieces(plan, source, split, tokenizer.get_vocab_size()),
-                         totals[source, split], dtype)
+    streams = [(source, split) for source in sources for split in SPLITS]
+    write_streams({key: shard_path(out, *key) for key in streams},
+                  {key: totals[key] for key in streams}, stages.stream_pieces(plan, dtype), dtype)
     os.replace(work / TOKENIZER_FILE, out / TOKENIZER_FILE)
     shutil.rmtree(out / MANIFEST_DIR, ignore_errors=True)
     os.replace(work / MANIFEST_DIR, out / MANIFEST_DIR)
@@ -245,8 +266,18 @@ def _require_kept(plan: stages.Plan, counts: dict[str, dict]) -> None:
         )
 
 
-@contextmanager
-def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    seconds[phase] = round(time.perf_counter() - start, 3)
+class _Phases:
+    """Seconds and the driver's peak RSS per phase of a prepare: the peak is reset when a
+    phase starts, so growth shows in the phase that causes it."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.driver_rss_mb: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        reset_peak_rss()
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = round(time.perf_counter() - start, 3)
+        self.driver_rss_mb[phase] = peak_rss_mb()

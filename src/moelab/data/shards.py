@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+K = TypeVar("K")  # a stream's key, e.g. (source, split)
 
 
 def shard_path(data_dir: str | Path, source: str, split: str) -> Path:
@@ -29,27 +31,38 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def write_stream(path: Path, pieces: Iterable[np.ndarray], total: int, dtype: np.dtype) -> None:
-    """A .npy file of `total` tokens filled piece by piece through a memory map of a
-    temporary file, renamed into place when whole: memory holds one piece at a time."""
-    if total == 0:  # a zero-length file cannot be memory-mapped
-        atomic_write(path, lambda file: np.save(file, np.zeros(0, dtype)))
-        return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+def write_streams(paths: Mapping[K, Path], totals: Mapping[K, int],
+                  pieces: Iterable[tuple[K, np.ndarray]], dtype: np.dtype) -> None:
+    """Several .npy streams (totals[key] tokens each) filled in one pass over `pieces`
+    ((key, tokens), each stream's pieces in its order), appended to temporary files that
+    are renamed into place when all are whole. Memory holds one piece: plain appends, not
+    a memory map, whose dirty pages would count in the writer's RSS as the streams grow."""
+    temps: dict[K, str] = {}
+    files: dict[K, IO[bytes]] = {}
     try:
-        stream = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(total,))
-        filled = 0
-        for piece in pieces:
-            stream[filled : filled + len(piece)] = piece
-            filled += len(piece)
-        if filled != total:
-            raise RuntimeError(f"{path}: {filled} tokens written, {total} expected")
-        stream.flush()
-        del stream
-        os.replace(tmp, path)
+        for key, path in paths.items():
+            fd, temps[key] = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
+                                              suffix=".tmp")
+            files[key] = os.fdopen(fd, "wb")
+            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                      "shape": (totals[key],)}  # the header np.save writes
+            np.lib.format.write_array_header_1_0(files[key], header)
+        filled = dict.fromkeys(paths, 0)
+        for key, piece in pieces:
+            files[key].write(np.ascontiguousarray(piece, dtype).tobytes())
+            filled[key] += len(piece)
+        for key, file in files.items():
+            file.close()
+            if filled[key] != totals[key]:
+                raise RuntimeError(f"{paths[key]}: {filled[key]} tokens written, "
+                                   f"{totals[key]} expected")
+        for key, path in paths.items():
+            os.replace(temps.pop(key), path)
     except BaseException:
-        os.unlink(tmp)
+        for file in files.values():
+            file.close()
+        for temp in temps.values():
+            os.unlink(temp)
         raise
 
 

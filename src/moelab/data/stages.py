@@ -2,10 +2,10 @@
 
     list       (driver)  list/part-S          doc_id, source, path, in canonical order
     ingest     per shard ingest/part-S        read, decode, normalize, filter, score, sign
-                         exact/pP/part-S      (sha256, doc_id, path) by sha256 partition
+                         exact/part-S         (sha256, doc_id, path), a row group per partition
     exact      per part  exact/dropped-P      all but the first of each sha256
                (one)     exact/dropped        merged in doc_id order
-    bands      per shard bands/pP/part-S      (band key, doc_id) by key partition
+    bands      per shard bands/part-S         (band key, doc_id), a row group per partition
     pairs      per part  pairs/part-P         candidate pairs: documents sharing a key
     clusters   (one)     clusters.parquet     pairs confirmed by Jaccard, union-find
     decide     per shard decided/part-S       the manifest minus split and tokens
@@ -20,8 +20,11 @@ range of a sorted file, it is compressed, and every engine (Ray Data, datatrove,
 DuckDB) reads it. Memory: a shard task holds one shard; a partition task holds 1/P of
 the keys; `clusters` holds the candidate pairs and the near-dropped ids (it grows with
 the duplicates, not the corpus, like datatrove's cluster stage); the tokenizer sees a
-sample capped in characters, streamed. The hash shuffle writes shards x partitions small
-files per keyed stage, which is why partitions default to one per 8 shards.
+sample capped in characters, streamed; tokenize encodes ENCODE_CHARS at a time with one
+tokenizer per process (prepare's per-stage RSS probe is how these were found). The hash
+shuffle of a keyed stage writes one map file per shard, each partition's rows in row
+groups of their own tagged by a `part` column: a partition task reads only its row groups
+of every map file (shards files per stage, not shards x partitions).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import heapq
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from itertools import groupby, islice
 from pathlib import Path
 from typing import IO
@@ -40,12 +43,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from tokenizers import Tokenizer
 
 from moelab.data import dedup
 from moelab.data.executor import Task
 from moelab.data.ingest import Document, process_document
 from moelab.data.provenance import MANIFEST_SCHEMA, QUALITY_TYPE
-from moelab.data.shards import atomic_write, read_table, token_dtype, write_table, write_text
+from moelab.data.shards import atomic_write, read_table, write_table, write_text
 from moelab.data.tokenizer import EOS, TOKENIZER_FILE, train_tokenizer
 
 LIST = pa.schema([("doc_id", pa.int64()), ("source", pa.string()), ("path", pa.string())])
@@ -61,7 +65,10 @@ BANDS = pa.schema([("key", pa.uint64()), ("doc_id", pa.int64())])
 PAIRS = pa.schema([("a", pa.int64()), ("b", pa.int64())])
 TOKENS = pa.schema([("doc_id", pa.int64()), ("source", pa.string()), ("split", pa.string()),
                     ("ids", pa.list_(pa.uint32()))])
-ENCODE_CHUNK = 64  # documents per encode_batch call
+# Characters per encode_batch call: the Encoding objects (ids, token strings, masks; ~100
+# bytes a token) of one call are a task's largest allocation, so a chunk is bounded in
+# text, not in documents (a shard of 32 long documents would otherwise cost ~200 MB).
+ENCODE_CHARS = 500_000
 ROW_GROUP = 65_536  # rows per Parquet row group of the merged drop lists
 
 
@@ -93,11 +100,10 @@ class Plan:
     def shard_file(self, stage: str, shard: int) -> Path:
         return self.path(stage, f"part-{shard:05d}.parquet")
 
-    def part_file(self, stage: str, part: int, shard: int) -> Path:
-        return self.path(stage, f"p{part:03d}", f"part-{shard:05d}.parquet")
-
-    def part_files(self, stage: str, part: int) -> list[Path]:
-        return [self.part_file(stage, part, s) for s in range(self.shards)]
+    def read_partition(self, stage: str, part: int) -> pa.Table:
+        """Partition `part` of a keyed stage: its row groups of every shard's map file."""
+        return pa.concat_tables([read_partition(self.shard_file(stage, s), part)
+                                 for s in range(self.shards)])
 
     def doc_range(self, shard: int) -> tuple[int, int]:
         return shard * self.shard_docs, min(self.n_docs, (shard + 1) * self.shard_docs)
@@ -106,6 +112,33 @@ class Plan:
 def done(*outputs: Path) -> bool:
     """A task is complete when all its outputs exist (each was renamed into place whole)."""
     return all(path.exists() for path in outputs)
+
+
+def write_partitioned(path: Path, table: pa.Table, part: np.ndarray) -> None:
+    """One map file of a hash shuffle: the rows of each partition (part[i] is row i's) in
+    a row group of their own, in their order, with a `part` column whose row-group
+    statistics tell a reader which groups are its own."""
+    order = np.argsort(part, kind="stable")
+    table = table.take(pa.array(order)).append_column("part", pa.array(part[order], pa.int32()))
+    ends = np.cumsum(np.bincount(part, minlength=1))
+
+    def write(file: IO[bytes]) -> None:
+        with pq.ParquetWriter(file, table.schema) as writer:
+            for start, end in zip([0, *ends[:-1]], ends, strict=True):
+                if end > start:
+                    writer.write_table(table.slice(start, end - start))
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, write)
+
+
+def read_partition(path: Path, part: int) -> pa.Table:
+    """The rows of partition `part` in a map file, without the `part` column."""
+    file = pq.ParquetFile(path)
+    column = file.schema_arrow.get_field_index("part")
+    groups = [g for g in range(file.num_row_groups)
+              if file.metadata.row_group(g).column(column).statistics.min == part]
+    return file.read_row_groups(groups).drop_columns(["part"])
 
 
 def write_list(plan: Plan, docs: list[Document]) -> None:
@@ -123,9 +156,8 @@ def write_list(plan: Plan, docs: list[Document]) -> None:
 
 def ingest(plan: Plan, shard: int) -> None:
     """Process the shard's documents; route each kept sha256 to its exact partition."""
-    out = plan.shard_file("ingest", shard)
-    exact = [plan.part_file("exact", p, shard) for p in range(plan.partitions)]
-    if done(out, *exact):
+    out, exact = plan.shard_file("ingest", shard), plan.shard_file("exact", shard)
+    if done(out, exact):
         return
     rows = []
     for listed in read_table(plan.shard_file("list", shard)).to_pylist():
@@ -139,9 +171,9 @@ def ingest(plan: Plan, shard: int) -> None:
                      "signature": None if doc.signature is None else doc.signature.tolist()})
     table = pa.Table.from_pylist(rows, schema=INGEST)
     kept = table.filter(pc.equal(table["status"], "kept"))
-    part = np.array([int(h[:8], 16) % plan.partitions for h in kept["sha256"].to_pylist()])
-    for p, path in enumerate(exact):
-        write_table(path, kept.select(HASHES.names).filter(pa.array(part == p)))
+    part = np.array([int(h[:8], 16) % plan.partitions for h in kept["sha256"].to_pylist()],
+                    np.int64)
+    write_partitioned(exact, kept.select(HASHES.names), part)
     write_table(out, table)  # last: the ingest shard's presence means the task is done
 
 
@@ -150,7 +182,7 @@ def exact_dedup(plan: Plan, part: int) -> None:
     out = plan.path("exact", f"dropped-{part:03d}.parquet")
     if done(out):
         return
-    table = pa.concat_tables([read_table(f) for f in plan.part_files("exact", part)])
+    table = plan.read_partition("exact", part)
     rows = table.sort_by([("sha256", "ascending"), ("doc_id", "ascending")]).to_pylist()
     dropped = []
     for _, group in groupby(rows, key=lambda r: r["sha256"]):
@@ -203,23 +235,24 @@ def _exact_partition_files(plan: Plan) -> list[Path]:
 
 def band(plan: Plan, shard: int) -> None:
     """Band keys of the shard's documents that are kept and not exact duplicates."""
-    outs = [plan.part_file("bands", p, shard) for p in range(plan.partitions)]
-    if done(*outs):
+    out = plan.shard_file("bands", shard)
+    if done(out):
         return
     table = read_table(plan.shard_file("ingest", shard), ["doc_id", "status", "signature"])
     exact = _dropped_in(plan, [plan.path("exact", "dropped.parquet")], shard)
-    keys: list[list[int]] = [[] for _ in range(plan.partitions)]
-    ids: list[list[int]] = [[] for _ in range(plan.partitions)]
+    keys: list[int] = []
+    ids: list[int] = []
     for doc_id, status, sig in zip(*(table[c].to_pylist() for c in table.column_names),
                                    strict=True):
         if status != "kept" or doc_id in exact:
             continue
-        for key in dedup.band_keys(np.asarray(sig, np.uint32), plan.bands, plan.rows):
-            keys[key % plan.partitions].append(key)
-            ids[key % plan.partitions].append(doc_id)
-    for p, path in enumerate(outs):
-        write_table(path, pa.table({"key": pa.array(keys[p], pa.uint64()),
-                                    "doc_id": pa.array(ids[p], pa.int64())}))
+        doc_keys = dedup.band_keys(np.asarray(sig, np.uint32), plan.bands, plan.rows)
+        keys += doc_keys
+        ids += [doc_id] * len(doc_keys)
+    key_array = np.array(keys, np.uint64)
+    write_partitioned(out, pa.table({"key": pa.array(key_array, pa.uint64()),
+                                     "doc_id": pa.array(ids, pa.int64())}),
+                      (key_array % np.uint64(plan.partitions)).astype(np.int64))
 
 
 def pair(plan: Plan, part: int) -> None:
@@ -227,7 +260,7 @@ def pair(plan: Plan, part: int) -> None:
     out = plan.shard_file("pairs", part)
     if done(out):
         return
-    table = pa.concat_tables([read_table(f) for f in plan.part_files("bands", part)])
+    table = plan.read_partition("bands", part)
     table = table.sort_by([("key", "ascending"), ("doc_id", "ascending")])
     pairs = set()
     for _, group in groupby(zip(table["key"].to_pylist(), table["doc_id"].to_pylist(),
@@ -369,24 +402,30 @@ def _texts_of(plan: Plan, chosen: set[int]) -> Iterator[str]:
 
 def tokenize(plan: Plan, shard: int, counts: dict[str, dict], val_fraction: float) -> None:
     """Split and encode the shard's kept documents; write its tokens and manifest."""
-    from tokenizers import Tokenizer
-
     tokens_out, manifest_out = plan.shard_file("tokens", shard), plan.shard_file("manifest", shard)
     if done(tokens_out, manifest_out):
         return
-    tokenizer = Tokenizer.from_file(str(plan.path(TOKENIZER_FILE)))
-    eos_id = tokenizer.token_to_id(EOS)
+    tokenizer = _tokenizer(plan.path(TOKENIZER_FILE).read_text())
+    eos = np.array([tokenizer.token_to_id(EOS)], np.uint32)
     kept = list(_kept_texts(plan, shard))
-    encoded: dict[int, tuple[str, list[int]]] = {}
-    for start in range(0, len(kept), ENCODE_CHUNK):
-        chunk = kept[start : start + ENCODE_CHUNK]
+    encoded: dict[int, tuple[str, np.ndarray]] = {}
+    for chunk in _chunks_of_chars(kept, ENCODE_CHARS):
         encodings = tokenizer.encode_batch_fast([text for _, text in chunk])
         for (record, _), encoding in zip(chunk, encodings, strict=True):
             split = split_of(record["sha256"], counts[record["source"]], val_fraction)
-            encoded[record["doc_id"]] = (split, [*encoding.ids, eos_id])
-    tokens = [{"doc_id": r["doc_id"], "source": r["source"], "split": encoded[r["doc_id"]][0],
-               "ids": encoded[r["doc_id"]][1]} for r, _ in kept]
-    write_table(tokens_out, pa.Table.from_pylist(tokens, schema=TOKENS))
+            encoded[record["doc_id"]] = (split, np.append(np.array(encoding.ids, np.uint32),
+                                                          eos))
+        del encodings
+    arrays = [encoded[r["doc_id"]][1] for r, _ in kept]
+    offsets = np.cumsum([0, *map(len, arrays)]).astype(np.int32)
+    tokens = pa.table({
+        "doc_id": pa.array([r["doc_id"] for r, _ in kept], pa.int64()),
+        "source": pa.array([r["source"] for r, _ in kept], pa.string()),
+        "split": pa.array([encoded[r["doc_id"]][0] for r, _ in kept], pa.string()),
+        "ids": pa.ListArray.from_arrays(
+            pa.array(offsets), pa.array(np.concatenate([np.zeros(0, np.uint32), *arrays]))),
+    }, schema=TOKENS)
+    write_table(tokens_out, tokens)
     records = read_table(plan.shard_file("decided", shard)).to_pylist()
     for record in records:
         split, ids = encoded.get(record["doc_id"], ("", []))
@@ -394,15 +433,40 @@ def tokenize(plan: Plan, shard: int, counts: dict[str, dict], val_fraction: floa
     write_table(manifest_out, pa.Table.from_pylist(records, schema=MANIFEST_SCHEMA))
 
 
-def stream_pieces(plan: Plan, source: str, split: str, vocab_size: int) -> Iterator[np.ndarray]:
-    """The (source, split) token stream, shard by shard, in canonical document order."""
-    dtype = token_dtype(vocab_size)
+@lru_cache(maxsize=1)
+def _tokenizer(json_text: str) -> Tokenizer:
+    """One tokenizer per process and tokenizer file. `tokenizers` keeps a few MB of every
+    tokenizer loaded, even once dropped (measured: +3-5 MB RSS per load and encode), so a
+    pool worker loading one per task grew with the number of shards."""
+    return Tokenizer.from_str(json_text)
+
+
+def _chunks_of_chars(docs: list[tuple[dict, str]],
+                     chars: int) -> Iterator[list[tuple[dict, str]]]:
+    """Consecutive runs of (record, text) of at most `chars` characters (a longer text
+    alone)."""
+    chunk: list[tuple[dict, str]] = []
+    size = 0
+    for doc in docs:
+        if chunk and size + len(doc[1]) > chars:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(doc)
+        size += len(doc[1])
+    if chunk:
+        yield chunk
+
+
+def stream_pieces(plan: Plan, dtype: np.dtype) -> Iterator[tuple[tuple[str, str], np.ndarray]]:
+    """((source, split), tokens) of every stream in one pass over the token shards:
+    shard by shard, each shard's documents of a stream in canonical order."""
     for shard in range(plan.shards):
         table = read_table(plan.shard_file("tokens", shard))
-        mine = table.filter(pc.and_(pc.equal(table["source"], source),
-                                    pc.equal(table["split"], split)))
-        if mine.num_rows:
-            yield pc.list_flatten(mine["ids"]).to_numpy().astype(dtype)
+        streams = zip(table["source"].to_pylist(), table["split"].to_pylist(), strict=True)
+        for source, split in dict.fromkeys(streams):
+            mine = table.filter(pc.and_(pc.equal(table["source"], source),
+                                        pc.equal(table["split"], split)))
+            yield (source, split), pc.list_flatten(mine["ids"]).to_numpy().astype(dtype)
 
 
 def tasks(plan: Plan, stage: str, **kwargs: object) -> list[Task]:
