@@ -59,7 +59,7 @@ def swiglu_dispatch(x, routing: Routing, experts: Experts, moe: MoEConfig):
     down = jnp.concatenate(list(experts.w_down[:k]), axis=0)  # [k*F, D]
     tokens = x.reshape(b * s, d)
     y = (jax.nn.silu(tokens @ gate) * (tokens @ up)) @ down
-    return y.reshape(x.shape), jnp.zeros(())
+    return y.reshape(x.shape), Drops.at_expert(0)
 
 
 MODES = {  # name -> (MoEConfig changes, dispatch override)
