@@ -61,8 +61,12 @@ from jaxtyping import Array, Float, Int
 from moelab.config import ConfigError, MoEConfig
 from moelab.model.dispatch import Dispatch, Drops, Experts
 from moelab.model.dispatch.capacity import grouped_dispatch, in_groups, local_experts
-from moelab.model.dispatch.dropless import Sorted, grouped_experts, sorted_dispatch
-from moelab.model.dispatch.grouped import inverse_permutation, permute_rows
+from moelab.model.dispatch.dropless import (
+    Sorted,
+    grouped_experts,
+    in_expert_order,
+    sorted_dispatch,
+)
 from moelab.model.dispatch.pooled_wave import (
     pooled_rank,
     send_plan,
@@ -222,12 +226,8 @@ def _compute_received(
     offset = r - run_start[src]
     local_expert = jnp.sum(offset[:, None] >= jnp.cumsum(counts, axis=1)[src], axis=1)
     key = jnp.minimum(local_expert, e_loc - 1)
-    order = jnp.argsort(key, stable=True)
-    s = Sorted(order=order, expert=key[order],
-               group_sizes=jnp.bincount(key, length=e_loc).astype(jnp.int32))
-    unsort = inverse_permutation(order)
-    out_sorted = grouped_experts(permute_rows(rows, order, unsort), s, experts, moe)
-    return permute_rows(out_sorted, unsort, order)
+    compute = lambda sorted_rows, s: grouped_experts(sorted_rows, s, experts, moe)
+    return in_expert_order(rows, key, e_loc, compute)
 
 
 def _padded_rows(

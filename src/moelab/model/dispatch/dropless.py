@@ -35,7 +35,7 @@ class Sorted(eqx.Module):
     group_sizes: Int[Array, " E"]  # rows per expert
 
 
-def sort_by_expert(experts: Int[Array, "T K"], n_experts: int) -> Sorted:
+def sort_by_expert(experts: Int[Array, "*shape"], n_experts: int) -> Sorted:
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
@@ -65,6 +65,16 @@ def grouped_experts(rows: Array, s: Sorted, experts: Experts, moe: MoEConfig) ->
 SortedCompute = Callable[[Float[Array, "A D"], Sorted], Float[Array, "A D"]]
 
 
+def in_expert_order(
+    rows: Float[Array, "A D"], expert: Int[Array, " A"], n_experts: int, compute: SortedCompute
+) -> Float[Array, "A D"]:
+    """`compute` on the rows sorted by `expert`, its result put back in the rows' order."""
+    s = sort_by_expert(expert, n_experts)
+    unsort = inverse_permutation(s.order)
+    out_sorted = compute(permute_rows(rows, s.order, unsort), s)
+    return permute_rows(out_sorted, unsort, s.order)
+
+
 def sorted_dispatch(
     x: Float[Array, "B S D"], routing: Routing, compute: SortedCompute, moe: MoEConfig
 ) -> Float[Array, "B S D"]:
@@ -75,11 +85,9 @@ def sorted_dispatch(
     """
     b, s_len, d = x.shape
     k = routing.experts.shape[-1]
-    s = sort_by_expert(routing.experts.reshape(-1, k), moe.n_experts)
-    unsort = inverse_permutation(s.order)
     assignments = jnp.repeat(x.reshape(-1, d), k, axis=0)  # row t * k + j: token t
-    out_sorted = compute(permute_rows(assignments, s.order, unsort), s)
-    out = permute_rows(out_sorted, unsort, s.order).reshape(-1, k, d)
+    out = in_expert_order(assignments, routing.experts.reshape(-1), moe.n_experts, compute)
+    out = out.reshape(-1, k, d)
     y = jnp.einsum("tk,tkd->td", routing.weights.reshape(-1, k).astype(x.dtype), out)
     return y.reshape(b, s_len, d)
 
