@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 
 import jax
+import jax.numpy as jnp
 
 BUSY_PER_CORE = 0.5
 
@@ -36,3 +39,16 @@ def refuse_if_busy(machine: dict, force: bool) -> None:
         load = machine["load_per_core"]["before"]
         raise SystemExit(f"machine busy (load {load:.2f} per core > {BUSY_PER_CORE}): results "
                          "not written; rerun on an idle machine or pass --force")
+
+
+def matmul_peak(n: int = 2048, reps: int = 10) -> float:
+    """FLOP/s of a jitted n x n float32 matmul: the ceiling MFU is measured against."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, a).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dot(a, a).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)

@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -29,8 +28,7 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
+from machine import describe, load_per_core, matmul_peak, refuse_if_busy  # bench/machine.py
 
 from moelab.config import Config, load_config, replace
 from moelab.model import Transformer
@@ -40,19 +38,6 @@ from moelab.train.optimizer import make_optimizer, trainable
 from moelab.train.step import make_train_step
 
 RESULTS = Path(__file__).parent / "results" / "train_step.json"
-
-
-def matmul_peak(n: int = 2048, reps: int = 10) -> float:
-    """FLOP/s of a jitted n x n float32 matmul: the ceiling MFU is measured against."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, a).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        dot(a, a).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times)
 
 
 def setup(cfg: Config):

@@ -10,6 +10,12 @@ checked equal before timing. Each rep computes the block's output, a scalar loss
 sum(out * g), and its gradients with respect to every weight and the input. Reps of the
 two alternate, after warmup, so load from other processes hits both alike; the medians
 and their ratio are printed and written to bench/results/vs_transformers.json.
+
+Beside the two, the limit: moelab's block with the MoE replaced by a dense SwiGLU of the
+same active FLOPs (width top_k * d_ff, no router, no dispatch), timed in the same
+alternation, and every block's matmul FLOP/s against this machine's float32 matmul peak
+(a 2048^2 jnp.dot timed in this run). The dense block is what no dispatch can beat, so
+transformers / dense bounds the speed-up any MoE dispatch on this backend can reach.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
+from machine import describe, load_per_core, matmul_peak, refuse_if_busy  # bench/machine.py
 
 from moelab.config import Config, ModelConfig, MoEConfig
 from moelab.export.hf import export_hf
 from moelab.model import Transformer
 from moelab.model.layers import rope_angles
+from moelab.model.transformer import Block
 
 RESULTS = Path(__file__).parent / "results" / "vs_transformers.json"
 transformers.utils.logging.disable_progress_bar()
@@ -44,6 +51,20 @@ def build(args: argparse.Namespace) -> tuple[Config, Transformer]:
     moe = MoEConfig(n_experts=args.experts, top_k=args.top_k, dispatch="dropless")
     cfg = Config(model=model_cfg, moe=moe)
     return cfg, Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
+
+
+def block_flops(args: argparse.Namespace, head_dim: int, routed: bool) -> float:
+    """Matmul FLOPs of one block, forward + backward (the backward is twice the forward):
+    q/k/v/o projections, attention scores and values over the full square (both
+    implementations compute the masked half too), the router, and top_k experts' SwiGLU
+    per token (= the dense SwiGLU of width top_k * d_ff)."""
+    tokens = args.batch * args.seq
+    q, kv = args.heads * head_dim, args.kv_heads * head_dim
+    projections = 2 * tokens * args.d_model * (2 * q + 2 * kv)
+    attention = 2 * 2 * args.batch * args.heads * args.seq**2 * head_dim
+    router = 2 * tokens * args.d_model * args.experts if routed else 0
+    ffn = 2 * 3 * tokens * args.top_k * args.d_model * args.d_ff
+    return 3.0 * (projections + attention + router + ffn)
 
 
 def moelab_step(block, x, g, cos, sin):
@@ -104,18 +125,28 @@ def run(args: argparse.Namespace) -> dict:
     cos, sin = rope_angles(positions, cfg.model.resolved_head_dim, cfg.model.rope_theta)
     ours = moelab_step(model.blocks[0], x, g, cos, sin)
     theirs = transformers_step(hf.model.layers[0], hf.model.rotary_emb, x, g)
+    dense = moelab_step(Block.init(cfg.model, cfg.moe, True, jax.random.key(2)), x, g, cos, sin)
+    calls = {"moelab": ours, "transformers": theirs, "moelab_dense_equal_flops": dense}
 
     (loss_a, dx_a), (loss_b, dx_b) = ours(), theirs()  # also the first warmup
     dx_err = float(np.max(np.abs(dx_a - dx_b)))
     if dx_err > 1e-3 * max(1.0, float(np.max(np.abs(dx_b)))):
         raise SystemExit(f"the two blocks disagree: max |d loss/dx| error {dx_err:.2e}")
+    dense()
     for _ in range(args.warmup - 1):
-        ours(), theirs()
-    times = {"moelab": [], "transformers": []}
-    for _ in range(args.reps):  # alternate, so background load hits both alike
-        times["moelab"].append(timed(ours))
-        times["transformers"].append(timed(theirs))
+        for call in calls.values():
+            call()
+    times = {k: [] for k in calls}
+    for _ in range(args.reps):  # alternate, so background load hits all alike
+        for k, call in calls.items():
+            times[k].append(timed(call))
     median = {k: statistics.median(v) for k, v in times.items()}
+    peak = matmul_peak()
+    head_dim = cfg.model.resolved_head_dim
+    flops = {"moelab": block_flops(args, head_dim, True),
+             "transformers": block_flops(args, head_dim, True),
+             "moelab_dense_equal_flops": block_flops(args, head_dim, False)}
+    need = median["transformers"] / 1.5
     result = {
         "block": "decoder layer: RMSNorm + GQA attention (QK-norm, RoPE) + RMSNorm + MoE FFN",
         "pass": "forward + backward (grads of all block weights and of the input)",
@@ -137,14 +168,31 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": {k: [round(t, 5) for t in v] for k, v in times.items()},
         "median_ms": {k: round(1e3 * v, 2) for k, v in median.items()},
         "ratio_transformers_over_moelab": round(median["transformers"] / median["moelab"], 3),
+        "limit": {
+            "what": "moelab's block with a dense SwiGLU of equal active FLOPs in place of the "
+                    "MoE: no router, no dispatch",
+            "ratio_transformers_over_dense": round(
+                median["transformers"] / median["moelab_dense_equal_flops"], 3),
+            "ratio_moelab_over_dense_time": round(
+                median["moelab"] / median["moelab_dense_equal_flops"], 3)},
+        "matmul_peak_flops_per_s": peak,
+        "block_flops": flops,
+        "fraction_of_matmul_peak": {k: round(flops[k] / median[k] / peak, 3) for k in calls},
+        "for_1.5x": {"moelab_ms": round(1e3 * need, 2),
+                     "fraction_of_matmul_peak": round(flops["moelab"] / need / peak, 3)},
         "machine": describe(load_before, load_per_core()),
     }
     refuse_if_busy(result["machine"], args.force)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"moelab {median['moelab'] * 1e3:.1f} ms, transformers "
-          f"{median['transformers'] * 1e3:.1f} ms (median of {args.reps}): transformers / "
-          f"moelab = {result['ratio_transformers_over_moelab']:.2f}")
+          f"{median['transformers'] * 1e3:.1f} ms, moelab dense equal-FLOP "
+          f"{median['moelab_dense_equal_flops'] * 1e3:.1f} ms (median of {args.reps}): "
+          f"transformers / moelab = {result['ratio_transformers_over_moelab']:.2f}, "
+          f"transformers / dense = {result['limit']['ratio_transformers_over_dense']:.2f}; "
+          f"fraction of the {peak / 1e9:.0f} GFLOP/s matmul peak: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in result["fraction_of_matmul_peak"].items())
+          + f"; 1.5x needs {result['for_1.5x']['fraction_of_matmul_peak']:.2f}")
     return result
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from moelab.config import Config, LossConfig, ModelConfig, MoEConfig
 from moelab.model import Transformer, objective
+from moelab.model.attention import Attention, causal_chunks
+from moelab.model.layers import apply_rope, rope_angles
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32)
 
@@ -128,3 +130,30 @@ def test_layers_are_stacked_and_unstack_to_the_per_layer_blocks():
     blocks = model.blocks
     assert len(blocks) == 3 and blocks[0].ffn.w_up.ndim == 2
     np.testing.assert_array_equal(blocks[2].ffn.router, model.moe_layers.ffn.router[1])
+
+
+def test_chunked_causal_attention_equals_one_masked_softmax():
+    """Attention runs query chunk by chunk (the blocks above the diagonal skipped); it must
+    equal softmax over the whole masked square, computed here in float64 numpy. s = 200
+    gives four chunks, the last one ragged."""
+    cfg = dataclasses.replace(TINY, qk_norm=False)
+    s, hd, groups = 200, cfg.resolved_head_dim, cfg.n_heads // cfg.n_kv_heads
+    assert causal_chunks(s) == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    attn = Attention.init(cfg, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, s, cfg.d_model))
+    cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(s), (2, s)), hd, cfg.rope_theta)
+    out, _ = attn(x, cos, sin)
+
+    q = np.asarray(apply_rope((x @ attn.wq).reshape(2, s, cfg.n_heads, hd), cos, sin))
+    k = np.asarray(apply_rope((x @ attn.wk).reshape(2, s, cfg.n_kv_heads, hd), cos, sin))
+    v = np.asarray((x @ attn.wv).reshape(2, s, cfg.n_kv_heads, hd))
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)  # head h uses kv h // G
+    logits = np.einsum("bqhd,bthd->bhqt", q, k) / np.sqrt(hd)
+    logits = np.where(np.tril(np.ones((s, s), bool)), logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected = np.einsum("bhqt,bthd->bqhd", probs, v).reshape(2, s, -1) @ np.asarray(
+        attn.wo, np.float64)
+    # float32 sums of <= 200 terms of O(1) values: error ~ 200 * 6e-8 relative at worst
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)

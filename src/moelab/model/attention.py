@@ -14,6 +14,20 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from moelab.config import ModelConfig
 from moelab.model.layers import RMSNorm, apply_rope, linear, normal
 
+# Causal attention without a cache runs in query chunks, each against only the keys at or
+# before its last position, so the fully masked blocks above the diagonal are never
+# computed (S=256: 62.5% of the square). Chunks of 64 queries were the fastest on CPU for
+# S 128..256 (32 lost to per-op overhead); at most MAX_QUERY_CHUNKS, since the chunks are
+# unrolled in the graph.
+QUERY_CHUNK = 64
+MAX_QUERY_CHUNKS = 8
+
+
+def causal_chunks(s: int) -> list[tuple[int, int]]:
+    """[start, end) of each query chunk of a length-s causal attention."""
+    size = max(QUERY_CHUNK, -(-s // MAX_QUERY_CHUNKS))
+    return [(a, min(a + size, s)) for a in range(0, s, size)]
+
 
 class KVCache(eqx.Module):
     """Keys and values of the positions decoded so far, for incremental generation."""
@@ -60,14 +74,17 @@ class Attention(eqx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q_pos = jnp.arange(s) + cache_index
-        if cache is not None:
+        if cache is None:  # query chunk by chunk, each against the keys it can see
+            chunks = [self._attend(q[:, a:e], k[:, :e], v[:, :e], _causal(a, e - a, e))
+                      for a, e in causal_chunks(s)]
+            out = jnp.concatenate(chunks, axis=1)
+        else:
             write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
                 old, new.astype(old.dtype), cache_index, 1)
             k, v = write(cache.k, k), write(cache.v, v)
             cache = KVCache(k, v)
-        mask = q_pos[:, None] >= jnp.arange(k.shape[1])[None, :]  # [S, T] causal
-        out = self._attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+            mask = _causal(cache_index, s, k.shape[1])
+            out = self._attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
         return linear(out.reshape(b, s, -1), self.wo), cache
 
     def _attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
@@ -87,3 +104,8 @@ class Attention(eqx.Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         out = jnp.einsum("zqt,ztk->zqk", probs, heads_first(v))
         return out.reshape(b, n, groups, s, hd).transpose(0, 3, 1, 2, 4)
+
+
+def _causal(first: Array | int, queries: int, keys: int) -> Array:
+    """[queries, keys] mask: query i sits at position first + i and sees keys <= it."""
+    return (jnp.arange(queries) + first)[:, None] >= jnp.arange(keys)[None, :]
