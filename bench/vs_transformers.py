@@ -55,9 +55,10 @@ def build(args: argparse.Namespace) -> tuple[Config, Transformer]:
 
 def block_flops(args: argparse.Namespace, head_dim: int, routed: bool) -> float:
     """Matmul FLOPs of one block, forward + backward (the backward is twice the forward):
-    q/k/v/o projections, attention scores and values over the full square (both
-    implementations compute the masked half too), the router, and top_k experts' SwiGLU
-    per token (= the dense SwiGLU of width top_k * d_ff)."""
+    q/k/v/o projections, attention scores and values over the full causal square (as
+    transformers' sdpa computes them; moelab skips the fully masked chunks, ~3/8 at S 256,
+    and is still charged for them, so the fractions of peak compare like with like), the
+    router, and top_k experts' SwiGLU per token (= the dense SwiGLU of width top_k * d_ff)."""
     tokens = args.batch * args.seq
     q, kv = args.heads * head_dim, args.kv_heads * head_dim
     projections = 2 * tokens * args.d_model * (2 * q + 2 * kv)
