@@ -157,6 +157,31 @@ def test_curve_law_recovers_a_schedule_aware_curve():
         1.2 + 30 * 8e5**-0.3 + 300 * 4e7**-0.3 * (1 - 1.5 * 0.11), rel=2e-3)
 
 
+def test_curve_reach_backtests_find_a_drift_that_only_shows_far_out():
+    """The curve-extrapolation backtests score the law where the target asks it to go:
+    on points that follow the law they find ~no error; when the stable phase drifts above
+    the law late and wide (as the default ladder's target did), the joint backtest sees
+    it: the law fitted on the early, narrow points under-predicts the late, wide ones."""
+    from moelab.ladder.predict import _curve_reach
+
+    n = np.repeat([1e5, 2e5, 4e5, 8e5], 8)
+    s1 = np.tile(np.linspace(5e5, 4e6, 8), 4)
+    q = np.zeros_like(s1)
+    exact = 1.2 + 30 * n**-0.3 + 300 * s1**-0.3
+    t_s1, t_q = np.array([2e6, 8e6, 9e6]), np.array([0.0, 0.0, 0.05])
+    clean = _curve_reach(n, s1, q, exact, None, t_s1, t_q)
+    assert clean["ratio"] == pytest.approx(8e6 / 4e6)
+    assert clean["backtests"]["joint"] == {**clean["backtests"]["joint"], "fit_points": 12,
+                                           "scored_points": 4}
+    for b in clean["backtests"].values():
+        assert b["median_abs_rel_error"] < 1e-3  # an exact law refits exactly (2e-3 budget)
+    drift = exact * (1 + 0.03 * (s1 / 4e6) ** 2 * (n / 8e5))  # late and wide: +3% at the corner
+    drifted = _curve_reach(n, s1, q, drift, None, t_s1, t_q)["backtests"]
+    assert drifted["joint"]["mean_rel_error"] < -0.005  # the law under-predicts out there
+    three = _curve_reach(n[8:], s1[8:], q[8:], exact[8:], None, t_s1, t_q)["backtests"]
+    assert "skipped" in three["width"] and "median_abs_rel_error" in three["s1_2x"]
+
+
 # ------------------------------------------------------------------------ specs
 
 

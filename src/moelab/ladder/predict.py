@@ -193,7 +193,8 @@ def forecast(spec: LadderSpec, results: list[RunResult],
                         "low": float(lo), "high": float(hi)}
                        for s, p, lo, hi in zip(steps, path, *band, strict=True)],
             "backtest": _backtest(curve_levels, cy, lambda m: fit_curve(
-                cn[m], cs1[m], cq[m], cy[m], cstart).predict(cn[~m], cs1[~m], cq[~m]))}
+                cn[m], cs1[m], cq[m], cy[m], cstart).predict(cn[~m], cs1[~m], cq[~m])),
+            "extrapolation": _curve_reach(cn, cs1, cq, cy, cstart, t_s1, t_q)}
     except FitError as err:
         laws["curve"] = {"skipped": str(err)}
     law = options.law
@@ -232,6 +233,41 @@ def _curve_band(refit, fitted, sd, target_sd, samples, confidence, seed):
     paths = np.array(paths) + target_sd * rng.standard_normal((len(paths), 1))
     tail = (1 - confidence) / 2 * 100
     return np.percentile(paths, tail, axis=0), np.percentile(paths, 100 - tail, axis=0)
+
+
+def _curve_reach(cn, cs1, cq, cy, start, t_s1, t_q) -> dict[str, Any]:
+    """How far the target's stable phase runs past the rungs' in lr-weighted tokens S1, and
+    how the curve law does when it extrapolates within the rungs the way the target makes
+    it (the level-out backtest never extrapolates along S1): fitted on the points with S1
+    at most half the rungs' largest and scored on the rest (`s1_2x`); fitted without the
+    widest rung and scored on it (`width`); both at once, scored on the widest rung's
+    points past half the S1 (`joint`, the closest to what the target asks)."""
+    stable, t_stable = cq == 0, t_q == 0
+    reach: dict[str, Any] = {
+        "rungs_stable_s1": float(cs1[stable].max()) if stable.any() else None,
+        "target_stable_s1": float(t_s1[t_stable].max()) if t_stable.any() else None}
+    if reach["rungs_stable_s1"] and reach["target_stable_s1"]:
+        reach["ratio"] = reach["target_stable_s1"] / reach["rungs_stable_s1"]
+    early, narrow = cs1 <= cs1.max() / 2, cn < cn.max()
+    splits = {"s1_2x": (early, ~early), "width": (narrow, ~narrow),
+              "joint": (early & narrow, ~early & ~narrow)}
+    reach["backtests"] = {}
+    for name, (fit, scored) in splits.items():
+        entry: dict[str, Any] = {"fit_points": int(fit.sum()), "scored_points": int(scored.sum())}
+        if len(set(cn[fit])) < 3:  # E + A N^-a has three parameters
+            entry["skipped"] = "fewer than three widths left to fit the size term"
+            reach["backtests"][name] = entry
+            continue
+        try:
+            predicted = fit_curve(cn[fit], cs1[fit], cq[fit], cy[fit], start).predict(
+                cn[scored], cs1[scored], cq[scored])
+            errors = (predicted - cy[scored]) / cy[scored]
+            entry |= {"median_abs_rel_error": float(np.median(np.abs(errors))),
+                      "mean_rel_error": float(np.mean(errors))}
+        except (FitError, ValueError) as err:
+            entry["skipped"] = str(err)
+        reach["backtests"][name] = entry
+    return reach
 
 
 def _backtest(levels: np.ndarray, y: np.ndarray, fit_predict: Callable) -> list[dict]:

@@ -48,6 +48,7 @@ def build_report(spec: LadderSpec, record: dict[str, Any], actual: RunResult) ->
         "noise": record["noise"],
         "curve_median_abs_rel_error": scored["curve_median_abs_rel_error"],
         "curve": scored["curve"],
+        "curve_extrapolation": record["laws"].get("curve", {}).get("extrapolation"),
         "stability": {"forecast": record["stability"], "check": scored.get("stability")},
         "backtest": {name: law["backtest"] for name, law in record["laws"].items()
                      if "backtest" in law},
@@ -71,6 +72,17 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.2%}"
 
 
+def _reach_lines(reach: dict[str, Any] | None) -> list[str]:
+    """The curve law's extrapolation along S1 and width, as stated before the target ran."""
+    if not reach or "ratio" not in reach:
+        return []
+    tests = ", ".join(f"{name} {b['median_abs_rel_error']:.2%}"
+                      for name, b in reach["backtests"].items() if "median_abs_rel_error" in b)
+    return [f"- the target's stable phase runs {reach['ratio']:.1f}x the rungs' longest in "
+            f"lr-weighted tokens; the curve law extrapolating within the rungs (median |error|): "
+            f"{tests or 'not fitted'}"]
+
+
 def markdown(report: dict[str, Any]) -> str:
     iv, noise = report["interval"], report["noise"]
     lines = [
@@ -88,6 +100,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- relative error (predicted - actual) / actual: **{report['relative_error']:+.2%}**",
         f"- whole curve: median |relative error| over the target's evaluations after "
         f"warmup **{_pct(report['curve_median_abs_rel_error']).lstrip('+')}**",
+        *_reach_lines(report["curve_extrapolation"]),
         f"- seed noise: sd {noise['seed_sd']:.4f} nats per run at the end ({noise['dof']} "
         f"dof, {noise['source']}); {noise['eval_sd']:.4f} per evaluation point",
         f"- target at {report['compute_ratio']:.1f}x the largest rung's compute",
