@@ -21,29 +21,48 @@ import json
 from pathlib import Path
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import load_config
 from moelab.data.loader import Loader
+from moelab.model.layers import rope_angles
+from moelab.model.moe import MoE
+from moelab.model.router import share_margin
 from moelab.train.checkpoint import load_latest
 from moelab.train.cli import config_path
 from moelab.train.trainer import train
 
 RESULTS = Path(__file__).parent / "results" / "balance_tiny.json"
 BIAS = {"moe.router": "sigmoid", "loss.aux_weight": 0.0}
+SIGN = {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01}
+QB = {**BIAS, "moe.balance": "bias_quantile"}
+SEQ_AUX = {"loss.seq_aux_weight": 0.01}
+LR_DECAY = {"moe.bias_rate_schedule": "lr_decay"}
 METHODS = {
     "aux_loss": {},
-    "bias_sign": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01},
-    "bias_quantile": {**BIAS, "moe.balance": "bias_quantile"},
-    "bias_quantile_hard": {**BIAS, "moe.balance": "bias_quantile", "moe.quantile_rate": 1.0},
+    "bias_sign": SIGN,
+    "bias_quantile": QB,
+    "bias_quantile_hard": {**QB, "moe.quantile_rate": 1.0},
     # the sign rule plus DeepSeek-V3's sequence-wise loss against per-sequence concentration
-    "bias_sign_seq_aux": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01,
-                          "loss.seq_aux_weight": 0.01},
-    "bias_sign_seq_aux_0.03": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01,
-                               "loss.seq_aux_weight": 0.03},
-    "bias_sign_seq_aux_0.1": {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01,
-                              "loss.seq_aux_weight": 0.1},
+    "bias_sign_seq_aux": {**SIGN, **SEQ_AUX},
+    "bias_sign_seq_aux_0.03": {**SIGN, "loss.seq_aux_weight": 0.03},
+    "bias_sign_seq_aux_0.1": {**SIGN, "loss.seq_aux_weight": 0.1},
+    # the rate follows the LR down in the decay, so the final bias is not one batch's echo
+    "bias_sign_lr_decay": {**SIGN, **LR_DECAY},
+    "bias_sign_seq_aux_lr_decay": {**SIGN, **SEQ_AUX, **LR_DECAY},
+    "bias_sign_seq_aux_0.02_lr_decay": {**SIGN, "loss.seq_aux_weight": 0.02, **LR_DECAY},
+    "bias_sign_seq_aux_0.03_lr_decay": {**SIGN, "loss.seq_aux_weight": 0.03, **LR_DECAY},
+    "bias_quantile_0.3": {**QB, "moe.quantile_rate": 0.3},
+    "bias_quantile_0.3_seq_aux": {**QB, "moe.quantile_rate": 0.3, **SEQ_AUX},
+    "bias_quantile_hard_seq_aux": {**QB, "moe.quantile_rate": 1.0, **SEQ_AUX},
+    # QB's rate falling with the LR: at the end an average of the last ~1/(0.1 rate) batches'
+    # balancing biases instead of one batch's
+    "bias_quantile_0.3_lr_decay": {**QB, "moe.quantile_rate": 0.3, **LR_DECAY},
+    "bias_quantile_hard_lr_decay": {**QB, "moe.quantile_rate": 1.0, **LR_DECAY},
+    "bias_quantile_0.3_seq_aux_lr_decay": {**QB, "moe.quantile_rate": 0.3, **SEQ_AUX,
+                                           **LR_DECAY},
 }
 HELD_OUT = 20
 
@@ -58,15 +77,102 @@ def loads(model, batch):
     return model(batch[:, :-1])[1].tokens_per_expert  # [L_moe, E]
 
 
+@eqx.filter_jit
+def router_scores(model, batch) -> jnp.ndarray:
+    """[L_moe, B*S, E]: each MoE layer's unbiased routing scores (what the bias is added to)."""
+    tokens = batch[:, :-1]
+    b, s = tokens.shape
+    cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(s), (b, s)),
+                           model.cfg.resolved_head_dim, model.cfg.rope_theta)
+    x, out = model.embed[tokens], []
+    for block in model.blocks:
+        if isinstance(block.ffn, MoE):
+            h = x + block.attn(block.attn_norm(x), cos, sin)[0]
+            logits = (block.ffn_norm(h) @ block.ffn.router).reshape(b * s, -1)
+            out.append(jax.nn.softmax(logits, -1) if block.ffn.moe.router == "softmax"
+                       else jax.nn.sigmoid(logits))
+        x = block(x, cos, sin)[0]
+    return jnp.stack(out)
+
+
+def choice_loads(choice, k: int) -> np.ndarray:
+    """[..., T, E] biased scores -> [..., E] assignments per expert of a top-k choice."""
+    top = jax.lax.top_k(jnp.asarray(choice), k)[1]
+    return np.asarray(jax.nn.one_hot(top, choice.shape[-1]).sum((-3, -2)))
+
+
+def balancing_bias(scores, k: int, rounds: int = 200) -> jnp.ndarray:
+    """A bias [E] giving every expert its share of the tokens `scores` [T, E]: the quantile
+    rule (router.share_margin) iterated on the same tokens, half a step at a time (moving
+    every expert by its own full margin at once overshoots: the others move too)."""
+    bias = jnp.zeros(scores.shape[-1])
+    for _ in range(rounds):
+        target = bias - share_margin(scores + bias, k)
+        bias = bias + 0.5 * (target - target.mean() - bias)
+    return bias
+
+
+def ratio(a: np.ndarray) -> np.ndarray:
+    return a.max(-1) / a.mean(-1)
+
+
+def sampling_floor(tokens: int, k: int, n_experts: int, batches: int = 4000) -> float:
+    """Mean max/mean load of batches of `tokens` iid tokens, each picking k distinct experts
+    uniformly at random: what perfect balance in expectation still shows per batch."""
+    rng = np.random.default_rng(0)
+    counts = np.stack([
+        np.bincount(np.argsort(rng.random((tokens, n_experts)), -1)[:, :k].ravel(),
+                    minlength=n_experts) for _ in range(batches)])
+    return float(ratio(counts).mean())
+
+
+def floors(model, cfg, held: np.ndarray, sources: np.ndarray) -> dict:
+    """Per layer, on the held-out batches' routing scores `held` [N, L, T, E]: max/mean per
+    batch under the best fixed bias (the one balancing the N batches together), under a
+    bias solved for each batch alone (an oracle no fixed bias reaches), and for batches
+    re-drawn from the held-out sequences (fixed bias) at random or with the sources in
+    their mean proportion (`sources` [N, B]: the batch's source mix is one part of the
+    sequence-mix spread)."""
+    k, (n, layers, t, e), b = cfg.moe.top_k, held.shape, cfg.data.batch_size
+    rng = np.random.default_rng(0)
+    src = sources.reshape(-1)
+    share = np.bincount(src) / src.size
+    per_source = np.round(share * b).astype(int)
+    per_source[np.argmax(per_source)] += b - per_source.sum()
+    out = {k_: [] for k_ in ("fixed_bias_per_batch", "fixed_bias_summed",
+                             "oracle_bias_per_batch", "redrawn_random_mix_per_batch",
+                             "redrawn_source_stratified_per_batch")}
+    for layer in range(layers):
+        scores = held[:, layer]
+        fixed = balancing_bias(jnp.asarray(scores.reshape(-1, e)), k)
+        fixed_loads = choice_loads(scores + np.asarray(fixed), k)
+        oracle = np.stack([choice_loads(s + np.asarray(balancing_bias(jnp.asarray(s), k)), k)
+                           for s in scores])
+        seqs = choice_loads((scores + np.asarray(fixed)).reshape(n * b, t // b, e), k)
+        random_mix = [seqs[rng.choice(n * b, b)].sum(0) for _ in range(2000)]
+        stratified = [seqs[np.concatenate([rng.choice(np.flatnonzero(src == i), c)
+                                           for i, c in enumerate(per_source) if c])].sum(0)
+                      for _ in range(2000)]
+        for name, value in (
+                ("fixed_bias_per_batch", ratio(fixed_loads).mean()),
+                ("fixed_bias_summed", ratio(fixed_loads.sum(0))),
+                ("oracle_bias_per_batch", ratio(oracle).mean()),
+                ("redrawn_random_mix_per_batch", ratio(np.stack(random_mix)).mean()),
+                ("redrawn_source_stratified_per_batch", ratio(np.stack(stratified)).mean())):
+            out[name].append(round(float(value), 4))
+    return out
+
+
 def measure(run: Path, steps: int) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     model, cfg, _ = load_latest(run)
     d = cfg.data
     loader = Loader(Path(d.path), "train", d.seq_len, d.batch_size, d.mixture, d.seed)
-    held = np.stack([np.asarray(loads(model, jnp.asarray(loader.batch(steps + i))))
-                     for i in range(HELD_OUT)])
-    ratio = lambda a: a.max(-1) / a.mean(-1)
+    batches = [jnp.asarray(loader.batch(steps + i)) for i in range(HELD_OUT)]
+    held = np.stack([np.asarray(loads(model, batch)) for batch in batches])
     layers = held.shape[1]
+    scores = np.stack([np.asarray(router_scores(model, batch)) for batch in batches])
+    sources = np.stack([loader.plan(steps + i)[0] for i in range(HELD_OUT)])
     val = {k: v for k, v in rows[-1].items() if k.startswith("val_loss/")}
     return {
         "val_loss": val, "val_loss_mean": float(np.mean(list(val.values()))),
@@ -78,6 +184,7 @@ def measure(run: Path, steps: int) -> dict:
         "held_out_per_batch_max_over_mean": ratio(held).mean(0).round(4).tolist(),
         "held_out_summed_max_over_mean": ratio(held.sum(0)).round(4).tolist(),
         "bias_range": [rows[-1].get(f"bias_range/layer_{i}") for i in range(layers)],
+        "floor": floors(model, cfg, scores, sources),
     }
 
 
@@ -87,24 +194,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                         help="train/measure only these; the others keep their JSON entries")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="train.seed and data.seed; entries of seed s > 0 are 'name@seed<s>'")
     args = parser.parse_args()
-    kept = json.loads(RESULTS.read_text())["methods"] if RESULTS.exists() else {}
-    out = {name: kept[name] for name in METHODS if name in kept and name not in args.methods}
+    suffix = f"@seed{args.seed}" if args.seed else ""
+    out = json.loads(RESULTS.read_text())["methods"] if RESULTS.exists() else {}
     for name in args.methods:
-        overrides = METHODS[name]
-        run = Path(args.runs) / name
+        overrides = {**METHODS[name], "train.seed": args.seed, "data.seed": args.seed}
+        run = Path(args.runs) / (name + suffix)
         if not finished(run, args.steps):
             cfg = load_config(config_path("tiny"), {**overrides, "train.steps": args.steps})
             train(cfg, run)
-        out[name] = {"overrides": overrides, **measure(run, args.steps)}
-        print(name, json.dumps(out[name]))
-    out = {name: out[name] for name in METHODS if name in out}
-    base = out["aux_loss"]["val_loss_mean"]
-    for name in out:
-        out[name]["val_loss_vs_aux_pct"] = round(100 * (out[name]["val_loss_mean"] / base - 1), 3)
-    RESULTS.write_text(json.dumps({"preset": "tiny", "steps": args.steps, "methods": out},
-                                  indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+        out[name + suffix] = {"overrides": overrides, **measure(run, args.steps)}
+        print(name + suffix, json.dumps(out[name + suffix]))
+    for key, entry in out.items():  # val loss vs the aux-loss run of the same seed
+        base = out.get("aux_loss" + key[len(key.split("@")[0]):])
+        entry["val_loss_vs_aux_pct"] = (
+            round(100 * (entry["val_loss_mean"] / base["val_loss_mean"] - 1), 3) if base else None)
+    cfg = load_config(config_path("tiny"), {})
+    floor = sampling_floor(cfg.data.batch_size * cfg.data.seq_len, cfg.moe.top_k,
+                           cfg.moe.n_experts)
+    RESULTS.write_text(json.dumps({"preset": "tiny", "steps": args.steps,
+                                   "iid_sampling_floor_per_batch": round(floor, 4),
+                                   "methods": out}, indent=2) + "\n")
+    print(f"iid sampling floor per batch {floor:.4f}; wrote {RESULTS}")
 
 
 if __name__ == "__main__":
