@@ -1,23 +1,33 @@
 """Aux-loss vs. bias balancing on the tiny preset: expert load and val loss at the end.
 
-    python3 bench/balance.py [--runs runs/bench/balance] [--steps 300]
+    python3 bench/balance.py [--runs runs/bench/balance] [--steps 300] [--seed 0]
+                             [--methods NAME ...]
 
-Trains the tiny preset seven ways (a run directory that already holds a finished run is
-reused): `aux_loss` (the preset as it ships: softmax router, aux weight 0.01),
-`bias_sign` (rate 0.01: 300 steps is short), `bias_quantile` (quantile_rate 0.1) and
-`bias_quantile_hard` (rate 1, Marin's rule): sigmoid router, no aux loss, selection bias
-moved after every step; and the sign rule plus DeepSeek-V3's sequence-wise aux loss at
-weight 0.01, 0.03 and 0.1 (`loss.seq_aux_weight`). `--methods` runs a subset and keeps the
-other methods' entries of the JSON. Then, on 20 training batches the runs never saw
-(indices past the last step), the final model's expert loads per layer: max/mean per batch
-(what a capacity dispatch feels) and of the 20 batches summed (what the bias can fix; the
-rest is sequences of one batch sharing experts). Writes bench/results/balance_tiny.json.
+Trains the tiny preset once per entry of METHODS (a run directory that already holds a
+finished run is reused): `aux_loss` (the preset as it ships: softmax router, aux weight
+0.01); the sign rule (`bias_sign`) and Marin's quantile rule (`bias_quantile`) with a
+sigmoid router and no aux loss, at several rates, with the rate constant or falling with
+the LR (`moe.bias_rate_schedule: lr_decay`); and the same plus DeepSeek-V3's sequence-wise
+aux loss (`loss.seq_aux_weight`). `--methods` runs a subset and keeps the other entries of
+the JSON; `--seed s` sets train.seed and data.seed and names the entries `NAME@seed<s>`
+(the val loss is compared with `aux_loss` of the same seed).
+
+Then, on 100 training batches the runs never saw (indices past the last step), the final
+model's expert loads per layer: max/mean per batch (what a capacity dispatch feels, and
+what the per-step logs show) with its standard error, and of the batches summed (what one
+fixed bias can fix). The floors say where the rest comes from: the same router under the
+best fixed bias (balancing all held-out batches together), under a bias solved for each
+batch alone (an oracle), and with batches re-drawn from the held-out sequences at random
+or with each source in its mean proportion; plus iid tokens at perfect balance (sampling
+alone). Layer 1's floors hold layer 0's routing as trained. Writes
+bench/results/balance_tiny.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import equinox as eqx
@@ -29,7 +39,6 @@ from moelab.config import load_config
 from moelab.data.loader import Loader
 from moelab.model.layers import rope_angles
 from moelab.model.moe import MoE
-from moelab.model.router import share_margin
 from moelab.train.checkpoint import load_latest
 from moelab.train.cli import config_path
 from moelab.train.trainer import train
@@ -52,11 +61,12 @@ METHODS = {
     # the rate follows the LR down in the decay, so the final bias is not one batch's echo
     "bias_sign_lr_decay": {**SIGN, **LR_DECAY},
     "bias_sign_seq_aux_lr_decay": {**SIGN, **SEQ_AUX, **LR_DECAY},
-    "bias_sign_seq_aux_0.02_lr_decay": {**SIGN, "loss.seq_aux_weight": 0.02, **LR_DECAY},
     "bias_sign_seq_aux_0.03_lr_decay": {**SIGN, "loss.seq_aux_weight": 0.03, **LR_DECAY},
-    "bias_quantile_0.3": {**QB, "moe.quantile_rate": 0.3},
-    "bias_quantile_0.3_seq_aux": {**QB, "moe.quantile_rate": 0.3, **SEQ_AUX},
-    "bias_quantile_hard_seq_aux": {**QB, "moe.quantile_rate": 1.0, **SEQ_AUX},
+    "bias_sign_seq_aux_0.05_lr_decay": {**SIGN, "loss.seq_aux_weight": 0.05, **LR_DECAY},
+    "bias_sign_seq_aux_0.1_lr_decay": {**SIGN, "loss.seq_aux_weight": 0.1, **LR_DECAY},
+    # +0.01 of bias moves ~10-15% of an expert's load here: a finer sign step
+    "bias_sign_0.003_seq_aux_0.03_lr_decay": {**SIGN, "moe.bias_rate": 0.003,
+                                              "loss.seq_aux_weight": 0.03, **LR_DECAY},
     # QB's rate falling with the LR: at the end an average of the last ~1/(0.1 rate) batches'
     # balancing biases instead of one batch's
     "bias_quantile_0.3_lr_decay": {**QB, "moe.quantile_rate": 0.3, **LR_DECAY},
@@ -64,7 +74,7 @@ METHODS = {
     "bias_quantile_0.3_seq_aux_lr_decay": {**QB, "moe.quantile_rate": 0.3, **SEQ_AUX,
                                            **LR_DECAY},
 }
-HELD_OUT = 20
+HELD_OUT = 100
 
 
 def finished(run: Path, steps: int) -> bool:
@@ -101,14 +111,25 @@ def choice_loads(choice, k: int) -> np.ndarray:
     return np.asarray(jax.nn.one_hot(top, choice.shape[-1]).sum((-3, -2)))
 
 
-def balancing_bias(scores, k: int, rounds: int = 200) -> jnp.ndarray:
+def share_margin(choice: np.ndarray, k: int) -> np.ndarray:
+    """router.share_margin in numpy: np.partition is linear in T, while XLA's CPU top_k
+    with k = T*K/E sorts (200 rounds on 100 batches took 90 s a layer, here ~2 s)."""
+    t, e = choice.shape
+    top = np.sort(np.partition(choice, e - k - 1, axis=-1)[:, e - k - 1:], -1)  # k+1 best
+    kth, next_ = top[:, 1:2], top[:, :1]
+    margin = choice - np.where(choice >= kth, next_, kth)
+    share = math.ceil(t * k / e)
+    return np.partition(margin, t - share, axis=0)[t - share]
+
+
+def balancing_bias(scores: np.ndarray, k: int, rounds: int = 200) -> np.ndarray:
     """A bias [E] giving every expert its share of the tokens `scores` [T, E]: the quantile
-    rule (router.share_margin) iterated on the same tokens, half a step at a time (moving
-    every expert by its own full margin at once overshoots: the others move too)."""
-    bias = jnp.zeros(scores.shape[-1])
+    rule iterated on the same tokens, half a step at a time (a full step overshoots: every
+    expert moves by its own margin at once)."""
+    bias = np.zeros(scores.shape[-1])
     for _ in range(rounds):
         target = bias - share_margin(scores + bias, k)
-        bias = bias + 0.5 * (target - target.mean() - bias)
+        bias += 0.5 * (target - target.mean() - bias)
     return bias
 
 
@@ -144,11 +165,11 @@ def floors(model, cfg, held: np.ndarray, sources: np.ndarray) -> dict:
                              "redrawn_source_stratified_per_batch")}
     for layer in range(layers):
         scores = held[:, layer]
-        fixed = balancing_bias(jnp.asarray(scores.reshape(-1, e)), k)
-        fixed_loads = choice_loads(scores + np.asarray(fixed), k)
-        oracle = np.stack([choice_loads(s + np.asarray(balancing_bias(jnp.asarray(s), k)), k)
+        fixed = balancing_bias(scores.reshape(-1, e), k)
+        fixed_loads = choice_loads(scores + fixed, k)
+        oracle = np.stack([choice_loads(s + balancing_bias(s, k), k)
                            for s in scores])
-        seqs = choice_loads((scores + np.asarray(fixed)).reshape(n * b, t // b, e), k)
+        seqs = choice_loads((scores + fixed).reshape(n * b, t // b, e), k)
         random_mix = [seqs[rng.choice(n * b, b)].sum(0) for _ in range(2000)]
         stratified = [seqs[np.concatenate([rng.choice(np.flatnonzero(src == i), c)
                                            for i, c in enumerate(per_source) if c])].sum(0)
@@ -182,6 +203,8 @@ def measure(run: Path, steps: int) -> dict:
             [r[f"expert_load_max_over_mean/layer_{i}"] for r in rows[-20:]]))
             for i in range(layers)],
         "held_out_per_batch_max_over_mean": ratio(held).mean(0).round(4).tolist(),
+        "held_out_per_batch_std_error": (ratio(held).std(0, ddof=1) / np.sqrt(HELD_OUT)
+                                         ).round(4).tolist(),
         "held_out_summed_max_over_mean": ratio(held.sum(0)).round(4).tolist(),
         "bias_range": [rows[-1].get(f"bias_range/layer_{i}") for i in range(layers)],
         "floor": floors(model, cfg, scores, sources),
