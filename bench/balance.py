@@ -64,7 +64,9 @@ METHODS = {
     "bias_sign_seq_aux_0.03_lr_decay": {**SIGN, "loss.seq_aux_weight": 0.03, **LR_DECAY},
     "bias_sign_seq_aux_0.05_lr_decay": {**SIGN, "loss.seq_aux_weight": 0.05, **LR_DECAY},
     "bias_sign_seq_aux_0.1_lr_decay": {**SIGN, "loss.seq_aux_weight": 0.1, **LR_DECAY},
-    # +0.01 of bias moves ~10-15% of an expert's load here: a finer sign step
+    # +0.01 of bias moves ~10-15% of an expert's load here: a finer or a coarser sign step
+    "bias_sign_0.02_seq_aux_0.05_lr_decay": {**SIGN, "moe.bias_rate": 0.02,
+                                             "loss.seq_aux_weight": 0.05, **LR_DECAY},
     "bias_sign_0.003_seq_aux_0.03_lr_decay": {**SIGN, "moe.bias_rate": 0.003,
                                               "loss.seq_aux_weight": 0.03, **LR_DECAY},
     # QB's rate falling with the LR: at the end an average of the last ~1/(0.1 rate) batches'
