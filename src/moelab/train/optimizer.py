@@ -44,8 +44,8 @@ def bias_rate_scale(cfg: Config, opt_state) -> jax.Array | float:
     step's update: its schedule counter is the step's index."""
     if cfg.moe.bias_rate_schedule == "constant":
         return 1.0
-    step = optax.tree.get(opt_state, "count",  # the LR schedule's own counter
-                          filtering=lambda path, _: path[-1].tuple_name == "ScaleByScheduleState")
+    step = optax.tree.get(opt_state, "count", filtering=lambda path, _: getattr(  # the LR
+        path[-1], "tuple_name", None) == "ScaleByScheduleState")  # schedule's own counter
     warmup = min(cfg.optim.warmup_steps, max(cfg.train.steps - 1, 0))
     lr = lr_schedule(cfg.optim, cfg.train.steps)(step) / cfg.optim.lr
     return jnp.where(step < warmup, 1.0, lr)
