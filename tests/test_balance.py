@@ -1,5 +1,6 @@
 """Auxiliary-loss-free balancing: the selection bias, its two update rules, and its state."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -127,6 +128,29 @@ def test_train_step_moves_each_layers_bias_by_its_own_loads(balance):
         assert float(jnp.ptp(bias)) > 0
     np.testing.assert_allclose(parts["bias_range"], [float(jnp.ptp(b)) for b in biases])
     assert parts["router_entropy"].shape == (2,)
+
+
+def test_lr_decay_schedule_scales_the_sign_rule_by_the_lr_after_warmup():
+    """WSD over 8 steps, warmup 2, decay_fraction 0.5: lr/peak is 0.5, 0.75 in warmup, 1 at
+    steps 2-4 and 1 - 0.9 * (t - 4) / 4 at t = 4..7 (min_lr_ratio 0.1). lr_decay keeps the
+    full rate in warmup, then follows lr/peak. The scale is float32 (1 ulp ~ 6e-8 relative)
+    times a rate of 0.01 on biases of ~0.01: 1e-8 absolute covers it."""
+    model, cfg = tiny_biased("bias_sign", bias_rate=0.01, bias_rate_schedule="lr_decay")
+    cfg = dataclasses.replace(
+        cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=2, schedule="wsd",
+                                       decay_fraction=0.5, min_lr_ratio=0.1),
+        train=dataclasses.replace(cfg.train, steps=8))
+    optimizer = make_optimizer(cfg.optim, 8, None)
+    opt_state = optimizer.init(trainable(model))
+    step = make_train_step(cfg, optimizer)
+    batch = jax.random.randint(jax.random.key(1), (4, 17), 0, 64)
+    for t, scale in enumerate([1, 1, 1, 1, 1, 0.775, 0.55, 0.325]):
+        before = np.asarray(model.moe_layers.ffn.bias)
+        model, opt_state, parts = step(model, opt_state, batch)
+        want = sign_rule(before, parts["tokens_per_expert"], 0.01 * scale)
+        np.testing.assert_allclose(model.moe_layers.ffn.bias, want, rtol=0, atol=1e-8,
+                                   err_msg=f"step {t}")
+        assert float(jnp.max(jnp.abs(want - before))) > 0, t  # the rule moved the bias
 
 
 def test_update_bias_reads_stacked_layers_in_order():

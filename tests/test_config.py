@@ -24,6 +24,9 @@ from moelab.config import ConfigError, config_from_dict, load_config
         ({"train": {"steps": 0}}, "train.steps"),
         ({"loss": {"seq_aux_weight": -0.1}}, "loss.seq_aux_weight"),
         ({"moe": {"uniform_routing": "yes"}}, "moe.uniform_routing"),
+        ({"moe": {"balance": "bias_sign", "bias_rate_schedule": "cosine"}},
+         "moe.bias_rate_schedule"),
+        ({"moe": {"bias_rate_schedule": "lr_decay"}}, "moe.bias_rate_schedule"),  # no bias
         ({"data": {"mixture": {"code": -1.0}}}, "data.mixture.code"),
     ],
 )

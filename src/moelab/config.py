@@ -69,6 +69,10 @@ class MoEConfig:
     # bias_quantile: bias += quantile_rate * (this batch's fair-share bias - bias); 1.0 is
     # Marin's hard set, smaller averages the one-batch estimate over ~1/rate steps
     quantile_rate: float = 0.1
+    # constant: the rates above every step. lr_decay: after warmup they are scaled by
+    # lr(step) / optim.lr, so the bias settles as the weights do (DeepSeek-V3 stops its bias
+    # updates for the last tokens); during warmup they stay full, against early collapse
+    bias_rate_schedule: Literal["constant", "lr_decay"] = "constant"
     shared_expert: bool = False  # an always-on expert beside the routed ones
     d_ff_shared: int = 0  # 0 means d_ff
     dispatch: Literal["capacity", "pooled", "pooled_wave", "dropless"] = "dropless"
@@ -380,6 +384,9 @@ def validate(config: Config) -> None:
     _require(moe.top_k <= moe.n_experts, "moe.top_k",
              f"{moe.top_k} exceeds moe.n_experts={moe.n_experts}")
     _require(moe.pool_size >= 0, "moe.pool_size", "must be >= 0 (0 = whole batch)")
+    _require(moe.bias_rate_schedule == "constant" or moe.balance != "aux_loss",
+             "moe.bias_rate_schedule", "schedules the selection bias's rate, so it needs "
+             "moe.balance bias_sign or bias_quantile (aux_loss has no bias)")
     _require(moe.balance != "bias_quantile" or moe.top_k < moe.n_experts, "moe.balance",
              "bias_quantile needs a (top_k+1)-th choice: moe.top_k must be < moe.n_experts")
     _require(moe.pool_size == 0 or d.batch_size % moe.pool_size == 0, "moe.pool_size",

@@ -61,11 +61,12 @@ def sign_rule(bias: Array, load: Array, rate: float) -> Array:
     return new - jnp.mean(new, -1, keepdims=True)
 
 
-def update_bias(model, parts: dict[str, Array], moe: MoEConfig):
+def update_bias(model, parts: dict[str, Array], moe: MoEConfig, scale: Array | float = 1.0):
     """The model with each MoE layer's bias moved by `moe.balance`'s rule.
 
     `parts` holds the step's per-layer stats stacked in layer order ([L_moe, E]):
-    `tokens_per_expert` and `quantile_bias` (see moelab.model.losses.objective).
+    `tokens_per_expert` and `quantile_bias` (see moelab.model.losses.objective). `scale`
+    multiplies the rule's rate (`moe.bias_rate_schedule`; see train.optimizer).
     """
     layers = _biased(model)
     if moe.balance == "aux_loss" or not layers:
@@ -76,9 +77,9 @@ def update_bias(model, parts: dict[str, Array], moe: MoEConfig):
         name = "tokens_per_expert" if moe.balance == "bias_sign" else "quantile_bias"
         signal = parts[name][start:start + rows].reshape(layer.bias.shape)
         if moe.balance == "bias_sign":
-            new.append(sign_rule(layer.bias, signal, moe.bias_rate))
+            new.append(sign_rule(layer.bias, signal, scale * moe.bias_rate))
         else:
-            new.append(layer.bias + moe.quantile_rate * (signal - layer.bias))
+            new.append(layer.bias + scale * moe.quantile_rate * (signal - layer.bias))
         start += rows
     return eqx.tree_at(lambda m: [layer.bias for layer in _biased(m)], model, new)
 

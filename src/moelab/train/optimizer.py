@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 
-from moelab.config import OptimConfig
+from moelab.config import Config, OptimConfig
 from moelab.model.balance import without_bias
 
 
@@ -34,6 +35,20 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         return tail
     ramp = optax.linear_schedule(cfg.lr / max(warmup, 1), cfg.lr, warmup)
     return optax.join_schedules([ramp, tail], [warmup])
+
+
+def bias_rate_scale(cfg: Config, opt_state) -> jax.Array | float:
+    """The factor on the selection bias's rate at this step (`moe.bias_rate_schedule`): 1, or
+    after warmup lr(step) / optim.lr, so the bias stops chasing one batch's loads while the
+    weights, which it balances, settle in the decay. `opt_state` is the state before the
+    step's update: its schedule counter is the step's index."""
+    if cfg.moe.bias_rate_schedule == "constant":
+        return 1.0
+    step = optax.tree.get(opt_state, "count", filtering=lambda path, _: getattr(  # the LR
+        path[-1], "tuple_name", None) == "ScaleByScheduleState")  # schedule's own counter
+    warmup = min(cfg.optim.warmup_steps, max(cfg.train.steps - 1, 0))
+    lr = lr_schedule(cfg.optim, cfg.train.steps)(step) / cfg.optim.lr
+    return jnp.where(step < warmup, 1.0, lr)
 
 
 def decay_mask(params):

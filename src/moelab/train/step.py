@@ -17,7 +17,7 @@ import optax
 from moelab.config import Config
 from moelab.model import objective
 from moelab.model.balance import bias_range, update_bias, with_biases_of
-from moelab.train.optimizer import trainable
+from moelab.train.optimizer import bias_rate_scale, trainable
 
 
 def cast_floats(model, dtype):
@@ -61,9 +61,10 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, donate
             (_, parts), grads = grad_fn(model, batch)
         else:
             parts, grads = accumulated(model, batch)
+        scale = bias_rate_scale(cfg, opt_state)
         updates, opt_state = optimizer.update(trainable(grads), opt_state, trainable(model))
         parts["grad_norm"] = optax.tree.norm(grads)
-        model = update_bias(eqx.apply_updates(model, updates), parts, cfg.moe)
+        model = update_bias(eqx.apply_updates(model, updates), parts, cfg.moe, scale)
         parts["bias_range"] = bias_range(model)
         return eqx.filter(model, eqx.is_array), opt_state, parts
 
