@@ -90,6 +90,55 @@ def test_gradient_accumulation_matches_one_big_batch():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * scale)
 
 
+def _one_update(optim: OptimConfig, d_model: int = 32):
+    """(params, AdamW's first update) for a tiny two-layer model and a fixed gradient."""
+    cfg = Config(model=ModelConfig(vocab_size=64, d_model=d_model, n_layers=2, n_heads=2,
+                                   n_kv_heads=1, d_ff=32), moe=MoEConfig(n_experts=4, top_k=2))
+    params = trainable(Transformer.init(cfg.model, cfg.moe, jax.random.key(1)))
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    opt = make_optimizer(optim, 10, None, d_model)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    return params, updates
+
+
+def _leaves(tree):
+    return {jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_weight_decay_skips_the_stacked_norm_scales():
+    # Stacked layers make a norm scale [L, D], a matrix by rank; it must still not decay.
+    # A zero gradient leaves only the decoupled decay: update = -lr * wd * p exactly.
+    optim = OptimConfig(lr=0.1, warmup_steps=0, weight_decay=0.5)
+    cfg = Config(model=ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2,
+                                   n_kv_heads=1, d_ff=32), moe=MoEConfig(n_experts=4, top_k=2))
+    params = trainable(Transformer.init(cfg.model, cfg.moe, jax.random.key(1)))
+    opt = make_optimizer(optim, 10, None, 32)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = opt.update(zeros, opt.init(params), params)
+    p, u = _leaves(params), _leaves(updates)
+    norms = [k for k in p if "norm" in k]
+    assert any(p[k].ndim == 2 for k in norms)  # the stacked ones are there
+    for k in p:
+        expected = 0.0 if "norm" in k else -0.1 * 0.5 * p[k]
+        np.testing.assert_allclose(u[k], expected, rtol=1e-6, atol=1e-12, err_msg=k)
+
+
+def test_width_transfer_scales_every_matrix_but_the_embedding():
+    # lr_base_width 16 at d_model 64: the matrices' updates are exactly 1/4 of the plain
+    # optimizer's (a power-of-two scale is exact in float32); embedding and norms unchanged.
+    plain_optim = OptimConfig(lr=1e-2, warmup_steps=0)
+    params, plain = _one_update(plain_optim, d_model=64)
+    _, scaled = _one_update(dataclasses.replace(plain_optim, lr_base_width=16), d_model=64)
+    p, a, b = _leaves(params), _leaves(plain), _leaves(scaled)
+    scaled_keys = {k for k in p if "norm" not in k and k != ".embed"}
+    assert {".lm_head", ".moe_layers.attn.wq", ".moe_layers.ffn.router"} <= scaled_keys
+    for k in p:
+        factor = 0.25 if k in scaled_keys else 1.0
+        np.testing.assert_array_equal(b[k], factor * a[k], err_msg=k)
+        assert np.abs(a[k]).max() > 0, k
+
+
 def test_bf16_compute_runs_and_keeps_float32_params():
     cfg = config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "n_layers": 1,
                                       "n_heads": 2, "n_kv_heads": 1, "d_ff": 32},

@@ -130,6 +130,11 @@ class OptimConfig:
     eps: float = 1e-8
     clip_norm: float = 1.0
     grad_accum: int = 1  # micro-batches per step; must divide data.batch_size
+    # Width transfer (muP's Adam rule for hidden weights, Yang et al. 2022): when > 0, every
+    # weight matrix that reads the residual stream or the expert hidden layer (attention,
+    # experts, shared expert, router, output head) trains at lr * lr_base_width / d_model;
+    # the embedding and the norm scales keep lr. One lr then serves every width of a ladder.
+    lr_base_width: int = 0
 
 
 @dataclass(frozen=True)
@@ -329,6 +334,7 @@ BOUNDS = {
     "optim.lr": (">", 0), "optim.warmup_steps": (">=", 0), "optim.weight_decay": (">=", 0),
     "optim.b1": (">=", 0), "optim.b2": (">=", 0), "optim.eps": (">", 0),
     "optim.clip_norm": (">", 0), "optim.grad_accum": (">", 0),
+    "optim.lr_base_width": (">=", 0),
     "train.steps": (">", 0), "train.seed": (">=", 0), "train.log_every": (">", 0),
     "train.eval_every": (">", 0), "train.eval_batches": (">", 0),
     "train.checkpoint_every": (">", 0), "train.keep_checkpoints": (">", 0),

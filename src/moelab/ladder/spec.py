@@ -40,6 +40,7 @@ import yaml
 
 from moelab.config import Config, ConfigError, config_from_dict, config_to_dict
 from moelab.train.metrics import active_params, flops_per_token, total_params
+from moelab.train.optimizer import width_factor
 
 MIN_POINTS = 3  # L(C) has three parameters; more points leave residuals to check it by
 MIN_TARGET_RATIO = 8.0  # the target's compute over the largest rung's, at least
@@ -95,7 +96,9 @@ class Rung:
                 "d_model": m.d_model, "n_layers": m.n_layers,
                 "n_experts": moe.n_experts, "top_k": moe.top_k, "d_ff": m.d_ff,
                 "steps": self.config.train.steps, "batch_size": self.config.data.batch_size,
-                "lr": self.config.optim.lr, "warmup_steps": self.config.optim.warmup_steps,
+                "lr": self.config.optim.lr,
+                "matrix_lr": self.config.optim.lr * width_factor(self.config.optim, m.d_model),
+                "warmup_steps": self.config.optim.warmup_steps,
                 "active_params": self.active_params, "total_params": self.total_params,
                 "tokens": self.tokens, "compute": self.compute}
 

@@ -280,7 +280,7 @@ def load_latest(run_dir: str | Path):
         on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
         model = eqx.filter_eval_shape(Transformer.init, cfg.model, cfg.moe, jax.random.key(0))
         model = jax.tree.map(on_device, model)
-        optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
+        optimizer = make_optimizer(cfg.optim, cfg.train.steps, None, cfg.model.d_model)
         opt_state = jax.tree.map(on_device, eqx.filter_eval_shape(
             lambda m: optimizer.init(trainable(m)), model))
         return ckpt.restore(step, model, opt_state, cfg)[0], cfg, step

@@ -14,6 +14,7 @@ import optax
 
 from moelab.config import Config, OptimConfig
 from moelab.model.balance import without_bias
+from moelab.model.layers import RMSNorm
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -51,18 +52,45 @@ def bias_rate_scale(cfg: Config, opt_state) -> jax.Array | float:
     return jnp.where(step < warmup, 1.0, lr)
 
 
+def _matrices(params, keep_embedding: bool = True):
+    """True for weight matrices, False for norm scales and (unless keep_embedding) the
+    embedding. Layers are stacked, so a norm scale is [L, D]: rank does not tell them apart,
+    the RMSNorm module around them does."""
+    norms_off = jax.tree.map(lambda x: jax.tree.map(lambda _: False, x) if isinstance(
+        x, RMSNorm) else x, params, is_leaf=lambda x: isinstance(x, RMSNorm))
+    mask = jax.tree.map(lambda p: not isinstance(p, bool) and p.ndim >= 2, norms_off)
+    if not keep_embedding:
+        mask = eqx.tree_at(lambda m: m.embed, mask, False)
+    return mask
+
+
 def decay_mask(params):
-    """Decay matrices only: norm scales (vectors) are left alone, as is standard."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Decay matrices only: norm scales are left alone, as is standard."""
+    return _matrices(params)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, params) -> optax.GradientTransformation:
-    del params  # the mask is computed lazily from the params optax sees
+def width_factor(cfg: OptimConfig, d_model: int) -> float:
+    """The lr multiplier of the width-scaled matrices (`optim.lr_base_width`), 1 when off."""
+    return cfg.lr_base_width / d_model if cfg.lr_base_width else 1.0
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, params, d_model: int = 0
+                   ) -> optax.GradientTransformation:
+    """`d_model` sets the width-transfer factor when `optim.lr_base_width` is on: the AdamW
+    update (weight decay included, as it is decoupled and scales with lr) of every matrix
+    but the embedding is multiplied by lr_base_width / d_model."""
+    del params  # the masks are computed lazily from the params optax sees
     adamw = optax.adamw(
         lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
         weight_decay=cfg.weight_decay, mask=decay_mask,
     )
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+    parts = [optax.clip_by_global_norm(cfg.clip_norm), adamw]
+    if cfg.lr_base_width:
+        if d_model <= 0:
+            raise ValueError("optim.lr_base_width needs the model's d_model")
+        parts.append(optax.masked(optax.scale(width_factor(cfg, d_model)),
+                                  lambda p: _matrices(p, keep_embedding=False)))
+    return optax.chain(*parts)
 
 
 def trainable(model):

@@ -86,7 +86,7 @@ class Trainer:
         check_fits(cfg)  # before allocating: a clear error, not an XLA out-of-memory
         self.mesh = make_mesh(cfg.mesh)
         self.model = build_model(cfg, self.mesh)
-        self.optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
+        self.optimizer = make_optimizer(cfg.optim, cfg.train.steps, None, cfg.model.d_model)
         # Sharded like the params, so the first step's output layout equals its input's
         # and the step compiles once.
         self.opt_state = init_sharded(self.optimizer.init, self.mesh, trainable(self.model))
