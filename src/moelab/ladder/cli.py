@@ -50,7 +50,8 @@ def _plan(args: argparse.Namespace) -> None:
         total += cost * (rung is not spec.target)
         start = f"{rung.parent}@{rung.branch_step}" if rung.parent else ""
         print(f"{s['name']:<16} {s['d_model']:>7} {s['active_params']:>10,} "
-              f"{s['tokens']:>11,} {s['compute']:>9.3g} {cost:>9.3g} {s['lr']:>8.3g} {s['matrix_lr']:>9.3g}  {start}")
+              f"{s['tokens']:>11,} {s['compute']:>9.3g} {cost:>9.3g} {s['lr']:>8.3g} "
+              f"{s['matrix_lr']:>9.3g}  {start}")
     print(f"rungs train {total:.3g} FLOPs; the target {spec.target.compute:.3g} "
           f"({spec.target.compute / max(r.compute for r in spec.rungs):.1f}x the largest rung)")
 
