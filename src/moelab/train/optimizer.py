@@ -17,8 +17,13 @@ from moelab.model.balance import without_bias
 from moelab.model.layers import RMSNorm
 
 
+def warmup_length(cfg: OptimConfig, total_steps: int) -> int:
+    """The warmup actually used: `warmup_steps`, cut to leave at least one step after it."""
+    return min(cfg.warmup_steps, max(total_steps - 1, 0))
+
+
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    warmup = warmup_length(cfg, total_steps)
     low = cfg.lr * cfg.min_lr_ratio
     after_warmup = max(total_steps - warmup, 1)
     if cfg.schedule == "cosine":
@@ -47,7 +52,7 @@ def bias_rate_scale(cfg: Config, opt_state) -> jax.Array | float:
         return 1.0
     step = optax.tree.get(opt_state, "count", filtering=lambda path, _: getattr(  # the LR
         path[-1], "tuple_name", None) == "ScaleByScheduleState")  # schedule's own counter
-    warmup = min(cfg.optim.warmup_steps, max(cfg.train.steps - 1, 0))
+    warmup = warmup_length(cfg.optim, cfg.train.steps)
     lr = lr_schedule(cfg.optim, cfg.train.steps)(step) / cfg.optim.lr
     return jnp.where(step < warmup, 1.0, lr)
 
