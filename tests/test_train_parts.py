@@ -90,12 +90,12 @@ def test_gradient_accumulation_matches_one_big_batch():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * scale)
 
 
-def _one_update(optim: OptimConfig, d_model: int = 32):
-    """(params, AdamW's first update) for a tiny two-layer model and a fixed gradient."""
+def _one_update(optim: OptimConfig, d_model: int = 32, grad: float = 1e-3):
+    """(params, AdamW's first update) for a tiny two-layer model and a constant gradient."""
     cfg = Config(model=ModelConfig(vocab_size=64, d_model=d_model, n_layers=2, n_heads=2,
                                    n_kv_heads=1, d_ff=32), moe=MoEConfig(n_experts=4, top_k=2))
     params = trainable(Transformer.init(cfg.model, cfg.moe, jax.random.key(1)))
-    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, grad), params)
     opt = make_optimizer(optim, 10, None, d_model)
     updates, _ = opt.update(grads, opt.init(params), params)
     return params, updates
@@ -109,13 +109,8 @@ def _leaves(tree):
 def test_weight_decay_skips_the_stacked_norm_scales():
     # Stacked layers make a norm scale [L, D], a matrix by rank; it must still not decay.
     # A zero gradient leaves only the decoupled decay: update = -lr * wd * p exactly.
-    optim = OptimConfig(lr=0.1, warmup_steps=0, weight_decay=0.5)
-    cfg = Config(model=ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2,
-                                   n_kv_heads=1, d_ff=32), moe=MoEConfig(n_experts=4, top_k=2))
-    params = trainable(Transformer.init(cfg.model, cfg.moe, jax.random.key(1)))
-    opt = make_optimizer(optim, 10, None, 32)
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = opt.update(zeros, opt.init(params), params)
+    params, updates = _one_update(OptimConfig(lr=0.1, warmup_steps=0, weight_decay=0.5),
+                                  grad=0.0)
     p, u = _leaves(params), _leaves(updates)
     norms = [k for k in p if "norm" in k]
     assert any(p[k].ndim == 2 for k in norms)  # the stacked ones are there

@@ -61,9 +61,9 @@ def _matrices(params, keep_embedding: bool = True):
     """True for weight matrices, False for norm scales and (unless keep_embedding) the
     embedding. Layers are stacked, so a norm scale is [L, D]: rank does not tell them apart,
     the RMSNorm module around them does."""
-    norms_off = jax.tree.map(lambda x: jax.tree.map(lambda _: False, x) if isinstance(
-        x, RMSNorm) else x, params, is_leaf=lambda x: isinstance(x, RMSNorm))
-    mask = jax.tree.map(lambda p: not isinstance(p, bool) and p.ndim >= 2, norms_off)
+    mask = jax.tree.map(
+        lambda x: jax.tree.map(lambda _: False, x) if isinstance(x, RMSNorm) else x.ndim >= 2,
+        params, is_leaf=lambda x: isinstance(x, RMSNorm))
     if not keep_embedding:
         mask = eqx.tree_at(lambda m: m.embed, mask, False)
     return mask
