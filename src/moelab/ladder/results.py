@@ -5,7 +5,9 @@ the predictions and the report alike, so none of them imports another's orchestr
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,11 +119,17 @@ def result(rung: Rung, path: Path) -> RunResult:
 
 
 def add_time(out: Path, name: str, wall_s: float, cpu_s: float) -> None:
+    """Add a run's cost to timings.json; runs of one ladder may finish at once on several
+    nodes, so the read-modify-write holds a lock and replaces the file atomically."""
     path = out / TIMINGS_FILE
-    spent = json.loads(path.read_text()) if path.exists() else {}
-    before = spent.get(name, {"wall_s": 0.0, "cpu_s": 0.0})
-    spent[name] = {"wall_s": before["wall_s"] + wall_s, "cpu_s": before["cpu_s"] + cpu_s}
-    path.write_text(json.dumps(spent, indent=1) + "\n")
+    with open(out / (TIMINGS_FILE + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        spent = json.loads(path.read_text()) if path.exists() else {}
+        before = spent.get(name, {"wall_s": 0.0, "cpu_s": 0.0})
+        spent[name] = {"wall_s": before["wall_s"] + wall_s, "cpu_s": before["cpu_s"] + cpu_s}
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(spent, indent=1) + "\n")
+        os.replace(tmp, path)
 
 
 def timings(out: Path) -> dict[str, dict[str, float]]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from moelab.config import config_to_dict
 from moelab.errors import UserError
+from moelab.jobs import Job, run_jobs
 from moelab.ladder import prereg
 from moelab.ladder.predict import forecast
 from moelab.ladder.report import write_report
@@ -145,17 +146,50 @@ def _register_in_lab(spec: LadderSpec, record: dict[str, Any], experiment: str) 
                               "target": record["target"]["name"]})
 
 
-def run_ladder(spec: LadderSpec, experiment: str | None = None) -> dict[str, Any]:
-    """The whole ladder; returns the report (also written to <out>/report.json)."""
+def run_ladder(spec: LadderSpec, experiment: str | None = None, ray: str | None = None,
+               cpus: float = 1.0, **ray_options: Any) -> dict[str, Any]:
+    """The whole ladder; returns the report (also written to <out>/report.json).
+
+    The runs are jobs (`moelab.jobs`): in this process in order, or with `ray` as Ray tasks
+    on a cluster, a branch waiting for its parent and the target for the pre-registration,
+    which waits for every rung. Either way each run trains with the same config and seed,
+    so the numbers are the same."""
 
     spec.out.mkdir(parents=True, exist_ok=True)
+    if ray is not None:  # the default corpus is prepared here once, not by parallel tasks
+        from moelab.config import DataConfig
+        from moelab.train import trainer
+
+        for cfg in {r.config.data.path: r.config for r in spec.runs()}.values():
+            if cfg.data.path == DataConfig().path:
+                trainer.prepared_data(cfg)
     before = spec.rungs + spec.lr_runs
-    done = [ensure_trained(spec, rung, f"run {i}/{len(before)}", experiment)
+    jobs = [ladder_job(spec, rung, f"run {i}/{len(before)}", experiment, ray, cpus)
             for i, rung in enumerate(before, start=1)]
-    results, lr_results = done[: len(spec.rungs)], done[len(spec.rungs):]
+    done = run_jobs(jobs, ray, **ray_options)
+    results = [done[r.name] for r in spec.rungs]
+    lr_results = [done[r.name] for r in spec.lr_runs]
     record = preregister(spec, results, lr_results, experiment)
-    actual = ensure_trained(spec, spec.target, "target", experiment)
+    target = ladder_job(spec, spec.target, "target", experiment, ray, cpus)
+    actual = run_jobs([target], ray, **ray_options)[spec.target.name]
     return write_report(spec, record, actual)
+
+
+def ladder_job(spec: LadderSpec, rung: Rung, label: str, experiment: str | None,
+               ray: str | None = None, cpus: float = 1.0) -> Job:
+    """One run of the ladder as a job: a branch waits for its parent's run."""
+    from moelab.train.memory import estimate_bytes
+
+    memory = sum(estimate_bytes(rung.config)) if ray is not None else 0
+    return Job(rung.name, train_rung, (spec, rung, label, experiment),
+               after=(rung.parent,) if rung.parent else (), run_dir=run_dir(spec, rung).resolve(),
+               cpus=cpus, memory_bytes=memory)
+
+
+def train_rung(spec: LadderSpec, rung: Rung, label: str, experiment: str | None,
+               *parents: RunResult) -> RunResult:
+    """A job's body: `ensure_trained` (the parent's result only orders it after the parent)."""
+    return ensure_trained(spec, rung, label, experiment)
 
 
 def finished_rungs(spec: LadderSpec) -> tuple[list[RunResult], list[RunResult]]:

@@ -1,0 +1,232 @@
+"""`moelab ladder run --ray`: a real local Ray cluster (a head and two worker nodes, each
+started by `ray start` as its own processes), the same numbers as the sequential ladder,
+and a worker node SIGKILLed mid-run that costs only the steps since its last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import tiny_config
+
+from moelab import cli
+from moelab.jobs import attempts
+from moelab.ladder.runner import run_ladder
+from moelab.ladder.spec import spec_from_dict
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# A killed node is declared dead after health_check_failure_threshold missed checks,
+# health_check_period_ms apart: ~3 s here instead of Ray's default ~30 s.
+FAST_FAILURE = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+                "RAY_health_check_timeout_ms": "1000"}
+
+
+def ray_spec(data_path: Path) -> dict:
+    """Three rungs and a cooldown branch, one layer each (compiling is most of a tiny run's
+    time), and a target long enough to be killed mid-run: 64 x 32 tokens a step, 1500
+    steps, a checkpoint every 100."""
+    base = tiny_config(data_path, model={"n_layers": 1}, optim={"lr": 1e-2, "warmup_steps": 5},
+                       train={"log_every": 1000, "eval_batches": 1, "checkpoint_every": 100,
+                              "keep_checkpoints": 2})
+    rung = lambda name, d, steps: {"name": name, "model": {"d_model": d, "d_ff": d},
+                                   "train": {"steps": steps}}
+    target = rung("big", 32, 1500)
+    target["data"] = {"batch_size": 64}
+    return {"base": base, "seeds": [0], "evals": 2,
+            "rungs": [rung("r1", 16, 40), rung("r2", 24, 40),
+                      {**rung("r3", 32, 60), "branches": [50]}],
+            "target": target, "fit": {"bootstrap": 10, "law": "compute", "noise_sd": 0.01}}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalCluster:
+    """`ray start --head` (no CPUs: it only schedules) and two `ray start --address` worker
+    nodes of 1 CPU each, every process under a private temp dir so they can be found and
+    killed without touching any other Ray on the machine."""
+
+    def __init__(self, workers: int = 2):
+        self.temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: socket paths
+        self.address = f"127.0.0.1:{_free_port()}"
+        src = str(Path(__file__).resolve().parents[1] / "src")
+        self.env = {**os.environ, **FAST_FAILURE,
+                    "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+                    "RAY_USAGE_STATS_ENABLED": "0"}
+        common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+        self._ray("start", "--head", f"--port={self.address.split(':')[1]}", "--num-cpus=0",
+                  "--include-dashboard=false", f"--temp-dir={self.temp}", *common)
+        for _ in range(workers):
+            self._ray("start", f"--address={self.address}", "--num-cpus=1", *common)
+
+    def _ray(self, *args: str) -> None:
+        subprocess.run([shutil.which("ray") or "ray", *args], env=self.env, check=True,
+                       capture_output=True, timeout=120)
+
+    def processes(self) -> dict[int, str]:
+        """pid -> command line of every process of this cluster."""
+        found = {}
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                if str(self.temp) in cmd:
+                    found[int(proc.name)] = cmd
+        return found
+
+    def kill_node_of(self, pid: int) -> list[int]:
+        """SIGKILL the raylet that started worker `pid` and every process of that node."""
+        raylet = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        cmd = self.processes()[raylet]
+        socket_name = next(a for a in cmd.split() if a.startswith("--raylet_socket_name="))
+        sock = socket_name.split("=", 1)[1]
+        victims = [p for p, c in self.processes().items()
+                   if p == raylet or sock + " " in c + " " or p == pid]
+        for victim in victims:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return victims
+
+    def stop(self) -> None:
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = LocalCluster()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory, small_corpus):
+    """The same ladder trained in this process, in order: the reference numbers."""
+    out = tmp_path_factory.mktemp("sequential") / "ladder"
+    spec = spec_from_dict(ray_spec(small_corpus), "seq", out)
+    report = run_ladder(spec)
+    return spec, report
+
+
+def _finals(spec) -> dict[str, list]:
+    from moelab.ladder.results import result, run_dir
+
+    return {r.name: result(r, run_dir(spec, r)).curve for r in spec.runs()}
+
+
+def _run_cli(tmp_path: Path, spec_path: Path, address: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "moelab.cli", "ladder", "run", str(spec_path), "--ray", address,
+         "--stall-timeout", "300"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "MOELAB_LAB": str(tmp_path / "lab.sqlite")})
+
+
+def _steps(run: Path) -> list[int]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
+def test_ladder_on_a_ray_cluster_survives_a_killed_node(cluster, sequential, tmp_path,
+                                                       small_corpus):
+    seq_spec, seq_report = sequential
+    raw = ray_spec(small_corpus)
+    spec_path = tmp_path / "ray.yaml"
+    spec_path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "runs" / "ladder" / "ray"
+    proc = _run_cli(tmp_path, spec_path, cluster.address)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    # wait until the long rung has saved a checkpoint and trained past it, then kill its node
+    victim_run, deadline, killed = out / "big", time.monotonic() + 300, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        tries = attempts(victim_run)
+        ckpts = victim_run / "checkpoints"
+        if tries and ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()) and \
+                (victim_run / "metrics.jsonl").exists() and _steps(victim_run)[-1] >= 250:
+            killed = cluster.kill_node_of(tries[-1]["pid"])
+            lost_at = _steps(victim_run)[-1]
+            break
+        time.sleep(0.05)
+    assert killed, "".join(output)
+    assert proc.wait(timeout=600) == 0, "".join(output)
+    reader.join(timeout=10)
+    text = "".join(output)
+
+    # every run finished exactly once: each step logged once, in order, to the last step
+    spec = spec_from_dict(raw, "ray", out)
+    for rung in spec.runs():
+        steps = _steps(out / rung.name)
+        first = rung.branch_step + 1 if rung.parent else 1
+        assert steps == list(range(first, rung.config.train.steps + 1)), rung.name
+    # the killed run was retried on the other node and resumed from its newest checkpoint:
+    # it lost at most the steps since that checkpoint (checkpoint_every = 100)
+    tries = attempts(victim_run)
+    assert len(tries) == 2 and tries[1]["node"] != tries[0]["node"]
+    assert tries[1]["resumes_at"] > 0 and tries[1]["resumes_at"] % 100 == 0
+    assert 0 <= tries[1]["lost_steps"] < 100 and tries[1]["resumes_at"] + tries[1]["lost_steps"] \
+        >= lost_at - 1  # the metrics of the one step in flight may not have been written
+    assert "retried 1x" in text and f"lost {tries[1]['lost_steps']} steps" in text
+    # the same numbers as the sequential ladder: every run's whole curve, and the report
+    assert _finals(spec) == _finals(seq_spec)
+    report = json.loads((out / "report.json").read_text())
+    assert report["predicted"] == seq_report["predicted"]
+    assert report["actual"] == seq_report["actual"]
+
+
+def test_a_runs_own_error_fails_the_ladder_without_retrying(cluster, tmp_path, small_corpus):
+    raw = ray_spec(small_corpus)
+    raw["rungs"] = [raw["rungs"][0], {**raw["rungs"][1], "data": {"path": str(tmp_path / "x")}},
+                    {"name": "r3", "model": {"d_model": 32, "d_ff": 32}, "train": {"steps": 60}}]
+    spec_path = tmp_path / "bad.yaml"
+    spec_path.write_text(yaml.safe_dump(raw))
+    proc = _run_cli(tmp_path, spec_path, cluster.address)
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, text  # the run's own error, as one line (a UserError)
+    assert "Traceback" not in text and "is not a prepared dataset" in text
+    assert len(attempts(tmp_path / "runs" / "ladder" / "bad" / "r2-s0")) == 1  # not retried
+
+
+def test_bad_addresses_and_impossible_requests_fail_fast(cluster, tmp_path, small_corpus,
+                                                         capsys, monkeypatch):
+    raw = ray_spec(small_corpus)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    code = cli.main(["ladder", "run", str(spec_path), "--ray", f"127.0.0.1:{_free_port()}"])
+    assert code == 2 and "cannot reach the Ray head" in capsys.readouterr().err
+    assert time.monotonic() - started < 30
+    code = cli.main(["ladder", "run", str(spec_path), "--ray", "no-port"])
+    assert code == 2 and "HOST:PORT" in capsys.readouterr().err
+    code = cli.main(["ladder", "run", str(spec_path), "--ray", cluster.address,
+                     "--cpus-per-run", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "asks for 4 CPUs but the largest node has 1" in err
+    with pytest.raises(SystemExit):
+        cli.main(["ladder", "run", str(spec_path), "--ray", "--max-retries", "-1"])
+    assert "expected a finite number >= 0" in capsys.readouterr().err
