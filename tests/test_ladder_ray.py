@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,15 +18,12 @@ from conftest import tiny_config
 
 from moelab import cli
 from moelab.jobs import attempts
+from moelab.jobs.local_cluster import LocalCluster, free_port
 from moelab.ladder.runner import run_ladder
 from moelab.ladder.spec import spec_from_dict
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-# A killed node is declared dead after health_check_failure_threshold missed checks,
-# health_check_period_ms apart: ~3 s here instead of Ray's default ~30 s.
-FAST_FAILURE = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
-                "RAY_health_check_timeout_ms": "1000"}
 
 
 def ray_spec(data_path: Path) -> dict:
@@ -48,71 +41,6 @@ def ray_spec(data_path: Path) -> dict:
             "rungs": [rung("r1", 16, 40), rung("r2", 24, 40),
                       {**rung("r3", 32, 60), "branches": [50]}],
             "target": target, "fit": {"bootstrap": 10, "law": "compute", "noise_sd": 0.01}}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LocalCluster:
-    """`ray start --head` (no CPUs: it only schedules) and two `ray start --address` worker
-    nodes of 1 CPU each, every process under a private temp dir so they can be found and
-    killed without touching any other Ray on the machine."""
-
-    def __init__(self, workers: int = 2):
-        self.temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: socket paths
-        self.address = f"127.0.0.1:{_free_port()}"
-        src = str(Path(__file__).resolve().parents[1] / "src")
-        self.env = {**os.environ, **FAST_FAILURE,
-                    "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-                    "RAY_USAGE_STATS_ENABLED": "0"}
-        common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-        self._ray("start", "--head", f"--port={self.address.split(':')[1]}", "--num-cpus=0",
-                  "--include-dashboard=false", f"--temp-dir={self.temp}", *common)
-        for _ in range(workers):
-            self._ray("start", f"--address={self.address}", "--num-cpus=1", *common)
-
-    def _ray(self, *args: str) -> None:
-        subprocess.run([shutil.which("ray") or "ray", *args], env=self.env, check=True,
-                       capture_output=True, timeout=120)
-
-    def processes(self) -> dict[int, str]:
-        """pid -> command line of every process of this cluster."""
-        found = {}
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit():
-                try:
-                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                except OSError:
-                    continue
-                if str(self.temp) in cmd:
-                    found[int(proc.name)] = cmd
-        return found
-
-    def kill_node_of(self, pid: int) -> list[int]:
-        """SIGKILL the raylet that started worker `pid` and every process of that node."""
-        raylet = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        cmd = self.processes()[raylet]
-        socket_name = next(a for a in cmd.split() if a.startswith("--raylet_socket_name="))
-        sock = socket_name.split("=", 1)[1]
-        victims = [p for p, c in self.processes().items()
-                   if p == raylet or sock + " " in c + " " or p == pid]
-        for victim in victims:
-            try:
-                os.kill(victim, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return victims
-
-    def stop(self) -> None:
-        for pid in self.processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +78,7 @@ def _steps(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines]
 
 
+@pytest.mark.slow  # ~3 min idle: two ladders, one of them on 2 nodes of 1 CPU
 def test_ladder_on_a_ray_cluster_survives_a_killed_node(cluster, sequential, tmp_path,
                                                        small_corpus):
     seq_spec, seq_report = sequential
@@ -198,6 +127,7 @@ def test_ladder_on_a_ray_cluster_survives_a_killed_node(cluster, sequential, tmp
     assert report["actual"] == seq_report["actual"]
 
 
+@pytest.mark.slow
 def test_a_runs_own_error_fails_the_ladder_without_retrying(cluster, tmp_path, small_corpus):
     raw = ray_spec(small_corpus)
     raw["rungs"] = [raw["rungs"][0], {**raw["rungs"][1], "data": {"path": str(tmp_path / "x")}},
@@ -218,7 +148,7 @@ def test_bad_addresses_and_impossible_requests_fail_fast(cluster, tmp_path, smal
     spec_path.write_text(yaml.safe_dump(raw))
     monkeypatch.chdir(tmp_path)
     started = time.monotonic()
-    code = cli.main(["ladder", "run", str(spec_path), "--ray", f"127.0.0.1:{_free_port()}"])
+    code = cli.main(["ladder", "run", str(spec_path), "--ray", f"127.0.0.1:{free_port()}"])
     assert code == 2 and "cannot reach the Ray head" in capsys.readouterr().err
     assert time.monotonic() - started < 30
     code = cli.main(["ladder", "run", str(spec_path), "--ray", "no-port"])
