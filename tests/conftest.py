@@ -41,8 +41,21 @@ def tiny_config(data_path: Path, **sections) -> dict:
                   "checkpoint_every": 4, "keep_checkpoints": 2},
     }
     for name, fields in sections.items():
-        raw.setdefault(name, {}).update(fields)
+        if isinstance(fields, list):  # stages=[...]
+            raw[name] = fields
+        else:
+            raw.setdefault(name, {}).update(fields)
     return raw
+
+
+# A three-stage plan on the small corpus (30 steps): by size, then prose up-weighted at half
+# the seq_len (tokens per step kept), then code only with a fresh optimizer and an LR restart.
+THREE_STAGES = [
+    {"mixture": {}},
+    {"start": 0.4, "mixture": {"code": 1, "prose": 3}, "seq_len": 16},
+    {"start": 24, "mixture": {"code": 1.0}, "optimizer": "fresh",
+     "restart": {"warmup": 2, "peak_fraction": 0.5}},
+]
 
 
 @pytest.fixture

@@ -3,19 +3,12 @@ across a boundary, branches (`--from`), and the recipe configs trained from the 
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import THREE_STAGES, tiny_config
 
 from moelab.config import config_from_dict
 from moelab.data.loader import StagedLoader, read_meta
 from moelab.errors import ConfigError
 from moelab.train.plan import build_plan
-
-THREE_STAGES = [
-    {"mixture": {}},  # by size
-    {"start": 0.4, "mixture": {"code": 1, "prose": 3}, "seq_len": 16},  # batch 8: tokens kept
-    {"start": 24, "mixture": {"code": 1.0}},
-]
-
 
 def staged(data_path, stages, **sections):
     return config_from_dict({**tiny_config(data_path, train={"steps": 30}, **sections),

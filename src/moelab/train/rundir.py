@@ -124,7 +124,8 @@ def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, 
         raise UserError(f"{path} is not readable YAML ({err}); restore it or use a new "
                         "--run-dir") from err
     changes = config_changes(saved if isinstance(saved, dict) else {}, config_to_dict(cfg))
-    refused = {k: v for k, v in changes.items() if not k.startswith(PLACEMENT)}
+    # stages: the trainer checks, at the resume step, that only stages yet to start change
+    refused = {k: v for k, v in changes.items() if not k.startswith(PLACEMENT) and k != "stages"}
     if refused and not allow_change:
         listed = "; ".join(f"{k}: run {a!r}, now {b!r}" for k, a, b in
                            ((k, *v) for k, v in refused.items()))
