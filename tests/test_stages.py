@@ -1,14 +1,18 @@
 """Staged runs: the plan (parse, checks), the staged loader, the LR across stages, resume
 across a boundary, branches (`--from`), and the recipe configs trained from the CLI."""
 
+import json
+
 import numpy as np
 import pytest
-from conftest import THREE_STAGES, tiny_config
+from conftest import THREE_STAGES, events, losses, moelab_train, tiny_config
 
 from moelab.config import config_from_dict
 from moelab.data.loader import StagedLoader, read_meta
 from moelab.errors import ConfigError
 from moelab.train.plan import build_plan
+from moelab.train.trainer import FAULT_ENV
+
 
 def staged(data_path, stages, **sections):
     return config_from_dict({**tiny_config(data_path, train={"steps": 30}, **sections),
@@ -77,3 +81,63 @@ def test_bad_plans_are_one_line_errors_naming_the_field(small_corpus, stages, fi
         staged(small_corpus, stages, optim=optim)
     message = str(err.value)
     assert message.startswith(field) and "\n" not in message, message
+
+
+TWO_STAGES = [{"mixture": {"code": 1, "prose": 1}},
+              {"start": 10, "mixture": {"code": 1, "prose": 3}}]
+
+
+def test_plan_changes_on_resume_and_branches_with_lineage(tmp_path, write_config, capsys):
+    """One parent run (two stages, 16 steps) attached to a lab experiment, then: a resume
+    that changes the started stage is refused, one that changes the stage yet to start is
+    recorded; a branch with the parent's optimizer state continues the parent bitwise, a
+    weights-only branch matches it on its first step only (same weights, same batch) and
+    the lineage shows in the run dir, `moelab lab show` and the published site."""
+    from moelab import cli
+
+    lab = tmp_path / "lab.sqlite"
+    env = {"MOELAB_LAB": str(lab)}
+    train = {"steps": 16, "checkpoint_every": 5, "eval_every": 100, "keep_checkpoints": 1,
+             "keep_stage_checkpoints": True}
+    config = write_config(stages=TWO_STAGES, train=train)
+    assert cli.main(["lab", "--lab", str(lab), "new", "branches", "--hypothesis", "h",
+                     "--config", str(config)]) == 0
+    parent = tmp_path / "parent"
+    killed = moelab_train(config, parent, "--experiment", "exp-1", env={**env, FAULT_ENV: "7"},
+                          check=False)
+    assert killed.returncode == -9  # checkpoint 5 kept: stage 0 has started, stage 1 not
+    started = write_config(stages=[{"mixture": {"code": 2, "prose": 1}}, TWO_STAGES[1]],
+                           train=train)
+    refused = moelab_train(started, parent, "--experiment", "exp-1", env=env, check=False)
+    assert refused.returncode == 2 and "stages: the plan changes stage 0" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    later = [TWO_STAGES[0], {**TWO_STAGES[1], "mixture": {"code": 1, "prose": 5}}]
+    changed = write_config(stages=later, train=train)
+    moelab_train(changed, parent, "--experiment", "exp-1", env=env)
+    assert [e["kind"] for e in events(parent) if e["kind"] not in ("spike", "stage")] == [
+        "resume", "plan_change"]
+    kept = sorted(int(p.name) for p in (parent / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [10, 16]  # the stage boundary outlives rotation
+
+    full, fresh = tmp_path / "full", tmp_path / "fresh"
+    for run, extra in ((full, []), (fresh, ["--weights-only"])):
+        out = moelab_train(changed, run, "--from", f"{parent}@10", *extra, "--experiment",
+                           "exp-1", "--allow-config-change", env=env)
+        assert f"branched from {parent} at step 10" in out.stdout
+    ref, a, b = losses(parent), losses(full), losses(fresh)
+    assert sorted(a) == sorted(b) == list(range(11, 17))  # the curves fork at step 10
+    assert a == {s: ref[s] for s in a}  # the parent's state: exactly the parent's steps
+    assert b[11] == ref[11] and b[12] != ref[12]  # fresh moments change the first update
+    lineage = json.loads((fresh / "lineage.json").read_text())
+    assert lineage == {"parent_run_dir": str(parent), "step": 10, "parent_lab_run": "run-1",
+                       "optimizer_state": "fresh"}
+    capsys.readouterr()
+    assert cli.main(["lab", "--lab", str(lab), "show", "exp-1"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.count(f"branched from {parent}@10 (lab run run-1)") == 2
+    assert cli.main(["lab", "--lab", str(lab), "publish", str(tmp_path / "site")]) == 0
+    page = next(p for p in (tmp_path / "site").rglob("*.html") if "exp-1" in p.name)
+    assert page.read_text().count('"kind": "branch"') == 2  # a fork mark on each branch
+    bad = moelab_train(changed, tmp_path / "x", "--from", f"{parent}@7", check=False)
+    assert bad.returncode == 2 and "no checkpoint at that step; it keeps steps [10, 16]" in \
+        bad.stderr

@@ -7,30 +7,9 @@ import sys
 import time
 
 import numpy as np
-from conftest import COMPILE_CACHE, THREE_STAGES
+from conftest import COMPILE_CACHE, THREE_STAGES, events, losses, moelab_train
 
 from moelab.train.trainer import FAULT_ENV
-
-
-def moelab_train(config, run_dir, *extra, env=None, check=True):
-    """Run `moelab train` in a fresh process (compiled programs cached across processes)."""
-    cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config),
-           "--run-dir", str(run_dir), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **COMPILE_CACHE, **(env or {})})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
-
-
-def events(run_dir):
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_sigkill_mid_run_then_rerun_resumes_with_identical_losses(tmp_path, write_config):

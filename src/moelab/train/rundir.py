@@ -11,6 +11,7 @@ A run directory holds one run. Its files, each named only here:
     train.lock             advisory lock held by the one trainer writing here (its pid)
     worker.pid             pid of the supervisor's current worker
     lab_run.json           the lab run id this directory reports to
+    lineage.json           a branch's parent: its run dir, step, lab run, optimizer state
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ QUARANTINE_DIR = "checkpoints.bad"
 LOCK_FILE = "train.lock"
 WORKER_PID_FILE = "worker.pid"
 LAB_RUN_FILE = "lab_run.json"
+LINEAGE_FILE = "lineage.json"
 
 _CHANGED_CONFIG = re.compile(r"config\.step-(\d+)\.yaml")
 

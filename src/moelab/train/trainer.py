@@ -32,7 +32,14 @@ from moelab.train.memory import check_fits
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
 from moelab.train.plan import Stage, build_plan, check_sources
-from moelab.train.rundir import RunDirLock, check_identity, save_config
+from moelab.train.rundir import (
+    CHECKPOINT_DIR,
+    LAB_RUN_FILE,
+    LINEAGE_FILE,
+    RunDirLock,
+    check_identity,
+    save_config,
+)
 from moelab.train.runlog import RunLog
 from moelab.train.spikes import SpikeDetector
 from moelab.train.step import make_eval_step, make_train_step
@@ -72,6 +79,15 @@ def stage_config(cfg: Config, stage: Stage) -> Config:
     return dataclasses.replace(cfg, data=data)
 
 
+@dataclasses.dataclass(frozen=True)
+class Parent:
+    """Where a branch starts (`moelab train --from RUN_DIR[@STEP] [--weights-only]`)."""
+
+    run_dir: Path
+    step: int | None = None  # None: the parent's newest good checkpoint
+    weights_only: bool = False  # fresh optimizer state (Delphi) instead of the parent's
+
+
 # model -> {"val_loss/<source>": loss}: replaces the sampled validation (the ladder's
 # whole-val-split score, so every run's curve is measured on the same text)
 Evaluator = Callable[[object], dict[str, float]]
@@ -80,8 +96,9 @@ Evaluator = Callable[[object], dict[str, float]]
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, experiment: str | None = None,
                  allow_config_change: bool = False, stop: StopRequest | None = None,
-                 match_experiment: bool = False, evaluator: Evaluator | None = None):
-        self.cfg, self.run_dir, self.evaluator = cfg, run_dir, evaluator
+                 match_experiment: bool = False, evaluator: Evaluator | None = None,
+                 parent: Parent | None = None):
+        self.cfg, self.run_dir, self.evaluator, self.parent = cfg, run_dir, evaluator, parent
         self.stop = stop if stop is not None else StopRequest()
         # Before anything is written: a refused config leaves the run dir as it was.
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
@@ -132,7 +149,10 @@ class Trainer:
     def _resume(self) -> int:
         found = self.ckpt.restore_latest_good(self.model, self.opt_state, self.cfg)
         if found is None:
-            return 0
+            return 0 if self.parent is None else self._branch(self.parent)
+        if self.parent is not None and not (self.run_dir / LINEAGE_FILE).exists():
+            raise UserError(f"--from: {self.run_dir} already holds a run of its own; a branch "
+                            "starts in a new --run-dir")
         self.model, self.opt_state, meta, step = found
         self._check_plan_change(meta["config"], step)
         self.loader.load_state_dict(meta["loader"])
@@ -141,6 +161,44 @@ class Trainer:
         self.log.rewind_to(step)
         self.log.event(step, "resume", f"resumed from checkpoint at step {step}")
         print(f"resumed from checkpoint at step {step}")
+        return step
+
+    def _branch(self, parent: Parent) -> int:
+        """Start this run from a verified checkpoint of another run: its weights (and unless
+        weights_only its optimizer state) at its step, so this run's curve forks there."""
+        src = Path(parent.run_dir).absolute()
+        if src == self.run_dir.absolute():
+            raise UserError(f"--from {parent.run_dir}: that is this run's own --run-dir")
+        if not (src / CHECKPOINT_DIR).is_dir():
+            raise UserError(f"--from {parent.run_dir}: no checkpoints there; pass the run dir "
+                            "of a training run")
+        ckpt = Checkpointer(src, keep=1_000_000, writer=False)
+        steps = ckpt.steps()
+        step = parent.step if parent.step is not None else (steps[-1] if steps else None)
+        if step not in steps:
+            raise UserError(f"--from {parent.run_dir}@{parent.step}: no checkpoint at that step; "
+                            f"it keeps steps {steps}")
+        reason = ckpt.verify(step)
+        if reason is not None:
+            raise UserError(f"--from {parent.run_dir}@{step}: the checkpoint is damaged "
+                            f"({reason}); pick another step")
+        if step >= self.cfg.train.steps:
+            raise UserError(f"--from {parent.run_dir}@{step}: the branch must train past step "
+                            f"{step}; raise train.steps ({self.cfg.train.steps})")
+        self.model, opt_state, _ = ckpt.restore(step, self.model, self.opt_state, self.cfg)
+        self.opt_state = self._fresh_opt_state(step) if parent.weights_only else opt_state
+        self.loader.step = step  # a batch is a function of the step: the plan goes on from it
+        lab_run = (json.loads((src / LAB_RUN_FILE).read_text())["run_id"]
+                   if (src / LAB_RUN_FILE).exists() else None)
+        lineage = {"parent_run_dir": str(src), "step": step, "parent_lab_run": lab_run,
+                   "optimizer_state": "fresh" if parent.weights_only else "parent's"}
+        path = self.run_dir / LINEAGE_FILE
+        if not path.exists():
+            self.log.event(step, "branch", f"branched from {src}@{step} (lab run {lab_run}) "
+                           f"with {lineage['optimizer_state']} optimizer state")
+            path.write_text(json.dumps(lineage))
+        self.log.rewind_to(step)
+        print(f"branched from {src} at step {step}")
         return step
 
     def _check_plan_change(self, saved: dict, step: int) -> None:
@@ -158,8 +216,9 @@ class Trainer:
         path = save_config(self.run_dir, self.cfg, self.step, bool(self.config_changes))
         if "stages" in self.config_changes:
             old, new = self.config_changes["stages"]
+            diff = json.dumps({"old": old, "new": new})
             self.log.event(self.step, "plan_change", f"stages not started by step {self.step} "
-                           f"changed (saved as {path.name}): {json.dumps({'old': old, 'new': new})}")
+                           f"changed (saved as {path.name}): {diff}")
         elif self.config_changes:
             changed = {k: {"old": a, "new": b} for k, (a, b) in self.config_changes.items()}
             self.log.event(self.step, "config_change",
@@ -320,18 +379,19 @@ class Trainer:
 
 def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
           allow_config_change: bool = False, match_experiment: bool = False,
-          evaluator: Evaluator | None = None) -> dict:
+          evaluator: Evaluator | None = None, parent: Parent | None = None) -> dict:
     """Train (or resume) the run in `run_dir`; returns the last step's metrics.
 
     Holds the run dir's lock throughout (a second trainer is refused) and turns
     SIGTERM/SIGINT into a checkpoint and `errors.Interrupted`. `match_experiment`: the
     config must be the experiment's snapshot (`moelab train --experiment`; a ladder's
     experiment holds many rungs' configs, so it does not ask for this). `evaluator`
-    replaces the sampled validation (the ladder scores the whole val split).
+    replaces the sampled validation (the ladder scores the whole val split). `parent`:
+    a new run starts from another run's checkpoint (a branch).
     """
     try:
         with RunDirLock(Path(run_dir)), StopRequest() as stop:
             return Trainer(cfg, Path(run_dir), experiment, allow_config_change, stop,
-                           match_experiment, evaluator).run()
+                           match_experiment, evaluator, parent).run()
     except FileNotFoundError as err:
         raise UserError(str(err)) from err
