@@ -2,6 +2,7 @@
 across a boundary, branches (`--from`), and the recipe configs trained from the CLI."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,8 +137,54 @@ def test_plan_changes_on_resume_and_branches_with_lineage(tmp_path, write_config
     shown = capsys.readouterr().out
     assert shown.count(f"branched from {parent}@10 (lab run run-1)") == 2
     assert cli.main(["lab", "--lab", str(lab), "publish", str(tmp_path / "site")]) == 0
-    page = next(p for p in (tmp_path / "site").rglob("*.html") if "exp-1" in p.name)
-    assert page.read_text().count('"kind": "branch"') == 2  # a fork mark on each branch
+    page = (tmp_path / "site/experiments/exp-1.html").read_text()
+    assert page.count('"kind":"branch"') == 2  # the charts' fork mark on each branch
     bad = moelab_train(changed, tmp_path / "x", "--from", f"{parent}@7", check=False)
     assert bad.returncode == 2 and "no checkpoint at that step; it keeps steps [10, 16]" in \
         bad.stderr
+
+
+RECIPES = Path(__file__).parent.parent / "configs" / "stages"
+
+
+def test_recipe_configs_express_marin_delphi_and_olmo():
+    """The LR and optimizer each public recipe asks for, read off the configs' plans."""
+    from moelab.config import load_config
+    from moelab.train.optimizer import run_schedule
+
+    def plan_and_lr(name):
+        cfg = load_config(RECIPES / f"{name}.yaml")
+        lr = run_schedule(cfg)
+        return cfg, build_plan(cfg), lambda step: float(lr(step)) / cfg.optim.lr
+
+    # Marin: one schedule (1% warmup, linear to 5%); the data switches inside the decay
+    cfg, plan, lr = plan_and_lr("marin")
+    assert plan.starts() == [17, 48] and {s.restart for s in plan.stages} == {None}
+    slope = 0.95 / (60 - 1)  # from 1 at step 1 (after the warmup) to 0.05 at step 60
+    for step in (17, 48):  # no jump at a switch: the decay's slope goes on through it
+        assert lr(step - 1) - lr(step) == pytest.approx(slope, rel=1e-5)  # f32 rounding
+    assert lr(59) == pytest.approx(0.05 + slope, rel=1e-5)
+    # Delphi: fresh optimizer at 83.3%, 0.83x peak after 3 warmup steps, linear to 0.1 of it
+    cfg, plan, lr = plan_and_lr("delphi")
+    assert plan.starts() == [50] and plan.fresh_optimizer_at(50)
+    assert lr(50) == pytest.approx(0.83 / 3, rel=1e-5) and lr(53) == pytest.approx(0.83)
+    assert lr(59) == pytest.approx(0.83 * (1 - 0.9 * 6 / 7), rel=1e-5)  # 6 of 7 decay steps
+    # OLMo: optimizer kept, no warmup, linear from the peak to 0 over the last 12 steps
+    cfg, plan, lr = plan_and_lr("olmo")
+    assert plan.starts() == [48] and not plan.fresh_optimizer_at(48)
+    assert lr(47) == lr(48) == pytest.approx(1.0) and lr(59) == pytest.approx(1 / 12)
+    cfg, plan, _ = plan_and_lr("three_stage")
+    assert [(s.seq_len, s.batch_size) for s in plan.stages] == [(64, 8), (128, 4), (64, 8)]  # each stage departs from the run's data.*, not the stage before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["marin", "delphi", "olmo", "two_stage", "three_stage"])
+def test_recipe_configs_train_from_the_cli(name, small_corpus, tmp_path):
+    run = tmp_path / name
+    moelab_train(RECIPES / f"{name}.yaml", run, "--set", f"data.path={small_corpus}")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    from moelab.config import load_config
+
+    plan = build_plan(load_config(RECIPES / f"{name}.yaml"))
+    assert [r["stage"] for r in rows] == [plan.at(r["step"] - 1).index for r in rows]
+    assert len(rows) == plan.steps and all(np.isfinite(r["loss"]) for r in rows)
