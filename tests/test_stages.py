@@ -174,7 +174,8 @@ def test_recipe_configs_express_marin_delphi_and_olmo():
     assert plan.starts() == [48] and not plan.fresh_optimizer_at(48)
     assert lr(47) == lr(48) == pytest.approx(1.0) and lr(59) == pytest.approx(1 / 12)
     cfg, plan, _ = plan_and_lr("three_stage")
-    assert [(s.seq_len, s.batch_size) for s in plan.stages] == [(64, 8), (128, 4), (64, 8)]  # each stage departs from the run's data.*, not the stage before
+    # each stage departs from the run's data.*, not from the stage before
+    assert [(s.seq_len, s.batch_size) for s in plan.stages] == [(64, 8), (128, 4), (64, 8)]
 
 
 @pytest.mark.slow
