@@ -50,7 +50,33 @@ def mixture_weights(meta: dict, split: str, mixture: dict[str, float]) -> np.nda
     return weights / weights.sum()
 
 
-class Loader:
+class Batches:
+    """`next(loader)` walks steps, `batch(step)` jumps: each batch is rows [B, S+1] of
+    windows (source i, window k) of S + 1 tokens, read from the token streams."""
+
+    streams: list[np.ndarray]
+    step: int
+
+    def batch(self, step: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def rows(self, sources: np.ndarray, windows: np.ndarray, seq_len: int) -> np.ndarray:
+        """int32 [B, S+1]: window k of source i is tokens[k*S : k*S + S + 1]."""
+        s = seq_len
+        rows = [self.streams[i][k * s : k * s + s + 1]
+                for i, k in zip(sources, windows, strict=True)]
+        return np.stack(rows).astype(np.int32)
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        batch = self.batch(self.step)
+        self.step += 1
+        return batch
+
+
+class Loader(Batches):
     """Batches int32 [B, S+1] of one split; `next(loader)` walks steps, `batch(step)` jumps."""
 
     def __init__(
@@ -93,18 +119,7 @@ class Loader:
 
     def batch(self, step: int) -> np.ndarray:
         """int32 [B, S+1]: inputs are [:, :-1], targets [:, 1:]."""
-        s, (sources, windows) = self.seq_len, self.plan(step)
-        rows = [self.streams[i][k * s : k * s + s + 1]
-                for i, k in zip(sources, windows, strict=True)]
-        return np.stack(rows).astype(np.int32)
-
-    def __iter__(self) -> Loader:
-        return self
-
-    def __next__(self) -> np.ndarray:
-        batch = self.batch(self.step)
-        self.step += 1
-        return batch
+        return self.rows(*self.plan(step), self.seq_len)
 
     def state_dict(self) -> dict:
         """JSON-able; with the same dataset and settings, the step is all resuming needs."""
@@ -135,7 +150,7 @@ def apportion(weights: np.ndarray, rows: int) -> np.ndarray:
     return counts
 
 
-class StagedLoader:
+class StagedLoader(Batches):
     """The train batches of a staged run (`train/plan.py`): each stage's rows are drawn
     exactly as its plan says, and each source is read without replacement across stages.
 
@@ -208,18 +223,7 @@ class StagedLoader:
 
     def batch(self, step: int) -> np.ndarray:
         """int32 [B, S+1] of the stage that trains `step`."""
-        s = self.stage_at(step).seq_len
-        rows = [self.streams[i][k * s : k * s + s + 1] for i, k in zip(*self.plan(step),
-                                                                       strict=True)]
-        return np.stack(rows).astype(np.int32)
-
-    def __iter__(self) -> StagedLoader:
-        return self
-
-    def __next__(self) -> np.ndarray:
-        batch = self.batch(self.step)
-        self.step += 1
-        return batch
+        return self.rows(*self.plan(step), self.stage_at(step).seq_len)
 
     def state_dict(self) -> dict:
         """The step, the seed and each stage's data plan (the trainer compares plans)."""
