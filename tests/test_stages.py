@@ -189,3 +189,19 @@ def test_recipe_configs_train_from_the_cli(name, small_corpus, tmp_path):
     plan = build_plan(load_config(RECIPES / f"{name}.yaml"))
     assert [r["stage"] for r in rows] == [plan.at(r["step"] - 1).index for r in rows]
     assert len(rows) == plan.steps and all(np.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.mark.parametrize("stage, field", [
+    ({"start": 4, "mixture": {"code": 1, "web": 1}}, "stages[0].mixture: source(s) ['web']"),
+    # one window of 65536 tokens: its attention scores alone need ~137 GB, over any CPU here
+    ({"start": 4, "seq_len": 65536, "batch_size": 1}, "stages[0].seq_len: 65536 x batch 1"),
+])
+def test_plans_the_data_or_the_memory_cannot_hold_fail_before_compiling(
+        small_corpus, tmp_path, stage, field):
+    from moelab.train.trainer import train
+
+    cfg = staged(small_corpus, [stage])
+    with pytest.raises(ConfigError) as err:
+        train(cfg, tmp_path / "run")
+    assert str(err.value).startswith(field) and "\n" not in str(err.value), err.value
+    assert not (tmp_path / "run" / "checkpoints").exists()
