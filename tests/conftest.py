@@ -1,7 +1,10 @@
 """Shared fixtures: a small real two-source dataset and a tiny training config."""
 
+import json
 import os
 import random
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -41,8 +44,21 @@ def tiny_config(data_path: Path, **sections) -> dict:
                   "checkpoint_every": 4, "keep_checkpoints": 2},
     }
     for name, fields in sections.items():
-        raw.setdefault(name, {}).update(fields)
+        if isinstance(fields, list):  # stages=[...]
+            raw[name] = fields
+        else:
+            raw.setdefault(name, {}).update(fields)
     return raw
+
+
+# A three-stage plan on the small corpus (30 steps): by size, then prose up-weighted at half
+# the seq_len (tokens per step kept), then code only with a fresh optimizer and an LR restart.
+THREE_STAGES = [
+    {"mixture": {}},
+    {"start": 0.4, "mixture": {"code": 1, "prose": 3}, "seq_len": 16},
+    {"start": 24, "mixture": {"code": 1.0}, "optimizer": "fresh",
+     "restart": {"warmup": 2, "peak_fraction": 0.5}},
+]
 
 
 @pytest.fixture
@@ -54,6 +70,32 @@ def write_config(tmp_path, small_corpus):
         return path
 
     return write
+
+
+# ------------------------------------------------------------------------- training runs
+
+
+def moelab_train(config, run_dir, *extra, env=None, check=True):
+    """Run `moelab train` in a fresh process (compiled programs cached across processes)."""
+    cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config),
+           "--run-dir", str(run_dir), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **COMPILE_CACHE, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def losses(run_dir) -> dict:
+    """{step: training loss} of a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def events(run_dir) -> list:
+    """The run's events.jsonl records (none yet: [])."""
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def fake_devices_env(n: int, **extra: str) -> dict[str, str]:

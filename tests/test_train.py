@@ -7,30 +7,9 @@ import sys
 import time
 
 import numpy as np
-from conftest import COMPILE_CACHE
+from conftest import COMPILE_CACHE, THREE_STAGES, events, losses, moelab_train
 
 from moelab.train.trainer import FAULT_ENV
-
-
-def moelab_train(config, run_dir, *extra, env=None, check=True):
-    """Run `moelab train` in a fresh process (compiled programs cached across processes)."""
-    cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config),
-           "--run-dir", str(run_dir), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **COMPILE_CACHE, **(env or {})})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
-
-
-def events(run_dir):
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_sigkill_mid_run_then_rerun_resumes_with_identical_losses(tmp_path, write_config):
@@ -47,6 +26,31 @@ def test_sigkill_mid_run_then_rerun_resumes_with_identical_losses(tmp_path, writ
     assert losses(crashed) == losses(clean)  # bitwise equal floats, steps 1..12
     # spike flags follow the loss curve (deterministic, in both runs); the rest is the resume
     assert [e["kind"] for e in events(crashed) if e["kind"] != "spike"] == ["resume"]
+
+
+def test_sigkill_at_stage_boundaries_resumes_bitwise(tmp_path, write_config):
+    """Stages start at steps 12 and 24 (the second with a fresh optimizer and an LR restart);
+    checkpoints every 5 steps plus the permanent ones at 12 and 24. Kills land on both
+    boundary steps and the step after the second, so resumed processes start each stage
+    (the fresh optimizer included) from the boundary checkpoint."""
+    config = write_config(stages=THREE_STAGES, train={
+        "steps": 30, "checkpoint_every": 5, "keep_checkpoints": 1, "eval_every": 10,
+        "keep_stage_checkpoints": True})
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    moelab_train(config, clean)
+    resumed_from = []
+    for fault in ("12", "24", "25"):
+        killed = moelab_train(config, crashed, env={FAULT_ENV: fault}, check=False)
+        assert killed.returncode == -9, killed.stderr
+        resumed_from += [line for line in killed.stdout.splitlines() if "resumed" in line]
+    finished = moelab_train(config, crashed)
+    resumed_from += [line for line in finished.stdout.splitlines() if "resumed" in line]
+    assert resumed_from == [f"resumed from checkpoint at step {s}" for s in (12, 24, 25)]
+    assert losses(crashed) == losses(clean)  # bitwise equal floats, steps 1..30
+    stage_events = [e["step"] for e in events(crashed) if e["kind"] == "stage"]
+    assert stage_events == [0, 12, 24]  # each stage announced once, however often resumed
+    kept = sorted(int(p.name) for p in (crashed / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [12, 24, 30]  # rotation kept 1, plus the stage boundaries
 
 
 def test_supervisor_recovers_from_an_external_sigkill(tmp_path, write_config):

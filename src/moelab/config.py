@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from moelab.errors import ConfigError
+from moelab.train.plan import StageConfig, build_plan
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,8 @@ class OptimConfig:
     """AdamW with decoupled weight decay, an LR schedule and global-norm clipping."""
 
     lr: float = 3e-3
-    schedule: Literal["wsd", "cosine", "constant"] = "wsd"
+    # linear: after warmup, straight down to lr * min_lr_ratio at the last step (Marin)
+    schedule: Literal["wsd", "cosine", "linear", "constant"] = "wsd"
     warmup_steps: int = 20
     decay_fraction: float = 0.2  # wsd: last fraction of steps decays linearly to min_lr
     min_lr_ratio: float = 0.1
@@ -149,6 +151,9 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
+    # also keep the checkpoint at each stage boundary (step = a stage's start), never rotated
+    # away: the points a later run branches from (`moelab train --from RUN_DIR@STEP`)
+    keep_stage_checkpoints: bool = False
     spike_window: int = 50  # steps in the rolling window of the spike detector
     spike_threshold: float = 6.0  # robust z-score (median/MAD) that flags a spike
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = a nominal figure per backend
@@ -187,6 +192,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # pre-training -> mid-training -> ...: what changes at which step (train/plan.py)
+    stages: list[StageConfig] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -199,6 +206,8 @@ _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Check `value` against a field's type annotation; ints widen to floats, nothing else."""
     origin = typing.get_origin(annotation)
+    if annotation is Any:  # checked by the code that owns the field (stages[i].model)
+        return value
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping of fields, got {value!r}")
@@ -208,6 +217,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{where}: {value!r} is not one of {list(allowed)}")
         return value
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         key_type, value_type = typing.get_args(annotation)
         if not isinstance(value, dict):
@@ -350,7 +364,7 @@ BOUNDS = {
 def _numbers(config: Config) -> dict[str, int | float]:
     """Every numeric field by dotted name (bools and the mixture's weights excluded)."""
     return {f"{section}.{name}": value
-            for section, fields_ in config_to_dict(config).items()
+            for section, fields_ in config_to_dict(config).items() if isinstance(fields_, dict)
             for name, value in fields_.items()
             if isinstance(value, int | float) and not isinstance(value, bool)}
 
@@ -405,6 +419,7 @@ def validate(config: Config) -> None:
     _require(not d.mixture or sum(d.mixture.values()) > 0, "data.mixture",
              "weights must not all be zero")
     _validate_mesh(config)
+    build_plan(config)  # stages: order, ends, mixtures, shapes, LR restarts
 
 
 def _validate_mesh(config: Config) -> None:

@@ -50,7 +50,33 @@ def mixture_weights(meta: dict, split: str, mixture: dict[str, float]) -> np.nda
     return weights / weights.sum()
 
 
-class Loader:
+class Batches:
+    """`next(loader)` walks steps, `batch(step)` jumps: each batch is rows [B, S+1] of
+    windows (source i, window k) of S + 1 tokens, read from the token streams."""
+
+    streams: list[np.ndarray]
+    step: int
+
+    def batch(self, step: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def rows(self, sources: np.ndarray, windows: np.ndarray, seq_len: int) -> np.ndarray:
+        """int32 [B, S+1]: window k of source i is tokens[k*S : k*S + S + 1]."""
+        s = seq_len
+        rows = [self.streams[i][k * s : k * s + s + 1]
+                for i, k in zip(sources, windows, strict=True)]
+        return np.stack(rows).astype(np.int32)
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        batch = self.batch(self.step)
+        self.step += 1
+        return batch
+
+
+class Loader(Batches):
     """Batches int32 [B, S+1] of one split; `next(loader)` walks steps, `batch(step)` jumps."""
 
     def __init__(
@@ -93,18 +119,7 @@ class Loader:
 
     def batch(self, step: int) -> np.ndarray:
         """int32 [B, S+1]: inputs are [:, :-1], targets [:, 1:]."""
-        s, (sources, windows) = self.seq_len, self.plan(step)
-        rows = [self.streams[i][k * s : k * s + s + 1]
-                for i, k in zip(sources, windows, strict=True)]
-        return np.stack(rows).astype(np.int32)
-
-    def __iter__(self) -> Loader:
-        return self
-
-    def __next__(self) -> np.ndarray:
-        batch = self.batch(self.step)
-        self.step += 1
-        return batch
+        return self.rows(*self.plan(step), self.seq_len)
 
     def state_dict(self) -> dict:
         """JSON-able; with the same dataset and settings, the step is all resuming needs."""
@@ -122,3 +137,110 @@ class Loader:
             raise UserError(f"loader state does not match this loader ({details}); "
                             "resume with the data config the run started with")
         self.step = int(state["step"])
+
+
+def apportion(weights: np.ndarray, rows: int) -> np.ndarray:
+    """Rows per source [n] summing exactly to `rows`: floor(w * rows) each, the rows left
+    over to the largest remainders (Hamilton's method; ties to the earlier source), so every
+    count is within one row of w * rows."""
+    exact = weights * rows
+    counts = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[: rows - int(counts.sum())]] += 1
+    return counts
+
+
+class StagedLoader(Batches):
+    """The train batches of a staged run (`train/plan.py`): each stage's rows are drawn
+    exactly as its plan says, and each source is read without replacement across stages.
+
+    A stage of R rows (steps x its batch size) gets `apportion(weights, R)` rows of each
+    source, shuffled by (seed, stage); so the tokens of each source in each stage equal the
+    plan exactly, not in expectation. Each source's windows (of the stage's seq_len) are
+    read in a seeded permutation, one epoch after another, with one cursor per source and
+    seq_len that carries on across stages: no window is repeated before the source's epoch
+    is used up and none is skipped. (A stage with a new seq_len reads its own grid of
+    windows, so its text may overlap what an earlier seq_len read.) Everything is a pure
+    function of (seed, plan, step), so resuming needs only the step.
+    """
+
+    def __init__(self, data_dir: str | Path, stages: tuple, seed: int = 0) -> None:
+        self.meta = read_meta(data_dir)
+        self.sources: list[str] = list(self.meta["sources"])
+        self.stages, self.seed, self.step = tuple(stages), seed, 0
+        self.streams = [np.load(shard_path(data_dir, s, "train"), mmap_mode="r")
+                        for s in self.sources]
+        self.weights = [mixture_weights(self.meta, "train", st.mixture) for st in self.stages]
+        self.counts = [apportion(w, st.rows) for w, st in zip(self.weights, self.stages,
+                                                              strict=True)]
+        self._before: list[np.ndarray] = []  # per stage: rows each source read before it
+        seen: dict[int, np.ndarray] = {}
+        for st, counts in zip(self.stages, self.counts, strict=True):
+            prior = seen.setdefault(st.seq_len, np.zeros(len(self.sources), np.int64))
+            self._before.append(prior.copy())
+            prior += counts
+            short = [s for s, c in zip(self.sources, counts, strict=True)
+                     if c and self.windows(s, st.seq_len) == 0]
+            if short:
+                raise UserError(f"stage {st.index}: source(s) {short} have fewer than seq_len "
+                                f"+ 1 = {st.seq_len + 1} train tokens; give them weight 0 there")
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._perms: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def windows(self, source: str, seq_len: int) -> int:
+        return max(0, (len(self.streams[self.sources.index(source)]) - 1) // seq_len)
+
+    def stage_at(self, step: int):
+        return next(st for st in reversed(self.stages) if step >= st.start)
+
+    def _stage_rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source [R], that source's cursor [R]) of every row of stage k, in order."""
+        if k not in self._rows:
+            rng = np.random.default_rng([self.seed, k, 1])
+            source = rng.permutation(np.repeat(np.arange(len(self.sources)), self.counts[k]))
+            rank = np.empty_like(source)
+            for i in range(len(self.sources)):
+                at = np.flatnonzero(source == i)
+                rank[at] = np.arange(len(at))
+            self._rows[k] = source, rank + self._before[k][source]
+        return self._rows[k]
+
+    def _window(self, source: int, seq_len: int, cursor: int) -> int:
+        n = self.windows(self.sources[source], seq_len)
+        key = (source, seq_len, cursor // n)  # one permutation per epoch of the source
+        if key not in self._perms:
+            self._perms[key] = np.random.default_rng([self.seed, *key, 2]).permutation(n)
+        return int(self._perms[key][cursor % n])
+
+    def plan(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source index [B], window index [B]) of each row at `step`, B = the stage's."""
+        st = self.stage_at(step)
+        source, cursor = self._stage_rows(st.index)
+        rows = slice((step - st.start) * st.batch_size, (step - st.start + 1) * st.batch_size)
+        windows = [self._window(i, st.seq_len, c) for i, c in zip(source[rows], cursor[rows],
+                                                                   strict=True)]
+        return source[rows], np.array(windows, np.int64)
+
+    def batch(self, step: int) -> np.ndarray:
+        """int32 [B, S+1] of the stage that trains `step`."""
+        return self.rows(*self.plan(step), self.stage_at(step).seq_len)
+
+    def state_dict(self) -> dict:
+        """The step, the seed and each stage's data plan (the trainer compares plans)."""
+        return {"step": self.step, "seed": self.seed, "stages": [
+            {"start": st.start, "end": st.end, "seq_len": st.seq_len,
+             "batch_size": st.batch_size, "rows": dict(zip(self.sources, c.tolist(),
+                                                           strict=True))}
+            for st, c in zip(self.stages, self.counts, strict=True)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at state["step"]; refuses a state whose started stages read other rows."""
+        step, mine = int(state["step"]), self.state_dict()
+        started = [i for i, st in enumerate(mine["stages"]) if st["start"] < step]
+        saved = state.get("stages", [])
+        if state.get("seed") != self.seed or any(
+                i >= len(saved) or saved[i] != mine["stages"][i] for i in started):
+            raise UserError("loader state does not match this plan's stages that have started "
+                            "(their rows would differ from the saved run's); resume with the "
+                            "plan the run trained with")
+        self.step = step

@@ -35,7 +35,7 @@ class PlotSpec:
 X_LABEL = "step (optimizer updates)"
 PLOTS = (
     PlotSpec("loss", "Training loss (predictions as bands)", "loss", "loss (nats/token)",
-             marks=("restart", "resume", "config_change")),
+             marks=("restart", "resume", "config_change", "stage", "branch", "plan_change")),
     PlotSpec("val_loss", "Validation loss per source", "val_loss",
              "validation loss (nats/token)"),
     PlotSpec("grad_norm", "Gradient norm (flagged steps marked)", "grad_norm",

@@ -137,15 +137,22 @@ class Checkpointer:
     checkpoints aside. Readers (export, generate, ladder) only skip them.
     """
 
-    def __init__(self, run_dir: Path, keep: int, writer: bool = True):
+    def __init__(self, run_dir: Path, keep: int, writer: bool = True,
+                 permanent: list[int] | tuple[int, ...] = ()):
+        """Keeps the newest `keep` checkpoints, plus those of the `permanent` steps (stage
+        boundaries, `train.keep_stage_checkpoints`), which rotation never deletes."""
         self.run_dir = Path(run_dir).absolute()
         self.directory = self.run_dir / CHECKPOINT_DIR
         self.writer = writer
         if writer:
             self._remove_interrupted_saves()
+        keeping = {"max_to_keep": keep}
+        if permanent:
+            policies = ocp.checkpoint_managers
+            keeping = {"preservation_policy": policies.AnyPreservationPolicy(
+                [policies.LatestN(keep), policies.CustomSteps(list(permanent))])}
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=writer, enable_async_checkpointing=False,
-            read_only=not writer)
+            **keeping, create=writer, enable_async_checkpointing=False, read_only=not writer)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def _remove_interrupted_saves(self) -> None:

@@ -32,6 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-backoff", type=float, default=1.0,
                    help="seconds before the first restart; doubles each time")
     p.add_argument("--experiment", help="attach this run to a lab experiment id")
+    p.add_argument("--from", dest="parent", metavar="RUN_DIR[@STEP]",
+                   help="branch: start this new run from a kept checkpoint of another run "
+                        "(default its newest), continuing at that step")
+    p.add_argument("--weights-only", action="store_true",
+                   help="with --from: take the weights only and start a fresh optimizer state")
     p.set_defaults(func=run)
 
     ckpt = subparsers.add_parser("checkpoint", help="inspect a run's checkpoints")
@@ -71,6 +76,22 @@ def default_run_dir(config: str, overrides: list[str]) -> Path:
     return Path("runs") / name
 
 
+def parse_parent(value: str | None, weights_only: bool):
+    """`--from RUN_DIR[@STEP]` as a trainer Parent (None without --from)."""
+    from moelab.train.trainer import Parent
+
+    if value is None:
+        if weights_only:
+            raise UserError("--weights-only applies to a branch: add --from RUN_DIR[@STEP]")
+        return None
+    path, sep, step = value.rpartition("@")
+    if not sep or not path:
+        path, step = value, ""
+    elif not step.isdigit():
+        raise UserError(f"--from {value!r}: expected RUN_DIR or RUN_DIR@STEP (STEP a number)")
+    return Parent(Path(path), int(step) if step else None, weights_only)
+
+
 def run(args: argparse.Namespace) -> int:
     from moelab.config import load_config
 
@@ -78,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, args.set)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file, not a directory; pass a directory")
+    parent = parse_parent(args.parent, args.weights_only)
     if args.max_restarts > 0:
         from moelab.train.supervisor import supervise
 
@@ -88,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         summary = train(cfg, run_dir, args.experiment, args.allow_config_change,
-                        match_experiment=True)
+                        match_experiment=True, parent=parent)
     except DivergenceError as err:
         print(f"moelab train: diverged: {err}", file=sys.stderr)
         return EXIT_DIVERGED
@@ -107,6 +129,8 @@ def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
         argv += ["--set", item]
     if args.allow_config_change:
         argv.append("--allow-config-change")
+    if args.parent:
+        argv += ["--from", args.parent] + (["--weights-only"] if args.weights_only else [])
     return argv + (["--experiment", args.experiment] if args.experiment else [])
 
 

@@ -15,6 +15,7 @@ import optax
 from moelab.config import Config, OptimConfig
 from moelab.model.balance import without_bias
 from moelab.model.layers import RMSNorm
+from moelab.train.plan import RestartConfig, build_plan
 
 
 def warmup_length(cfg: OptimConfig, total_steps: int) -> int:
@@ -28,6 +29,8 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     after_warmup = max(total_steps - warmup, 1)
     if cfg.schedule == "cosine":
         tail = optax.cosine_decay_schedule(cfg.lr, after_warmup, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        tail = optax.linear_schedule(cfg.lr, low, after_warmup)
     elif cfg.schedule == "wsd":
         decay = max(int(round(cfg.decay_fraction * total_steps)), 0)
         stable = max(after_warmup - decay, 0)
@@ -43,6 +46,36 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([ramp, tail], [warmup])
 
 
+def restart_schedule(cfg: OptimConfig, restart: RestartConfig, length: int) -> optax.Schedule:
+    """A stage's own schedule over its `length` steps: warmup to optim.lr * peak_fraction,
+    then its decay to peak * min_lr_ratio (the stage's, else optim's) at its last step."""
+    peak = cfg.lr * restart.peak_fraction
+    ratio = cfg.min_lr_ratio if restart.min_lr_ratio is None else restart.min_lr_ratio
+    after = max(length - restart.warmup, 1)
+    if restart.decay == "linear":
+        tail = optax.linear_schedule(peak, peak * ratio, after)
+    elif restart.decay == "cosine":
+        tail = optax.cosine_decay_schedule(peak, after, alpha=ratio)
+    else:
+        tail = optax.constant_schedule(peak)
+    if not restart.warmup:
+        return tail
+    ramp = optax.linear_schedule(peak / restart.warmup, peak, restart.warmup)
+    return optax.join_schedules([ramp, tail], [restart.warmup])
+
+
+def run_schedule(cfg: Config) -> optax.Schedule:
+    """The LR of every step of the run: `optim`'s schedule over `train.steps`, replaced from
+    each stage with a `restart` by that stage's own schedule (`train/plan.py`)."""
+    base = lr_schedule(cfg.optim, cfg.train.steps)
+    segments = build_plan(cfg).lr_segments()
+    if all(restart is None for _, _, restart in segments):
+        return base
+    parts = [(lambda step, a=a: base(step + a)) if restart is None  # join_schedules shifts
+             else restart_schedule(cfg.optim, restart, b - a) for a, b, restart in segments]
+    return optax.join_schedules(parts, [a for a, _, _ in segments[1:]])
+
+
 def bias_rate_scale(cfg: Config, opt_state) -> jax.Array | float:
     """The factor on the selection bias's rate at this step (`moe.bias_rate_schedule`): 1, or
     after warmup lr(step) / optim.lr, so the bias stops chasing one batch's loads while the
@@ -53,7 +86,7 @@ def bias_rate_scale(cfg: Config, opt_state) -> jax.Array | float:
     step = optax.tree.get(opt_state, "count", filtering=lambda path, _: getattr(  # the LR
         path[-1], "tuple_name", None) == "ScaleByScheduleState")  # schedule's own counter
     warmup = warmup_length(cfg.optim, cfg.train.steps)
-    lr = lr_schedule(cfg.optim, cfg.train.steps)(step) / cfg.optim.lr
+    lr = run_schedule(cfg)(step) / cfg.optim.lr
     return jnp.where(step < warmup, 1.0, lr)
 
 
@@ -79,14 +112,15 @@ def width_factor(cfg: OptimConfig, d_model: int) -> float:
     return cfg.lr_base_width / d_model if cfg.lr_base_width else 1.0
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, params, d_model: int = 0
-                   ) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, total_steps: int, params, d_model: int = 0,
+                   schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
     """`d_model` sets the width-transfer factor when `optim.lr_base_width` is on: the AdamW
     update (weight decay included, as it is decoupled and scales with lr) of every matrix
-    but the embedding is multiplied by lr_base_width / d_model."""
+    but the embedding is multiplied by lr_base_width / d_model. `schedule` replaces
+    `optim`'s own (a staged run passes `run_schedule(cfg)`)."""
     del params  # the masks are computed lazily from the params optax sees
     adamw = optax.adamw(
-        lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        schedule or lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
         weight_decay=cfg.weight_decay, mask=decay_mask,
     )
     parts = [optax.clip_by_global_norm(cfg.clip_norm), adamw]
@@ -96,6 +130,17 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params, d_model: int = 0
         parts.append(optax.masked(optax.scale(width_factor(cfg, d_model)),
                                   lambda p: _matrices(p, keep_embedding=False)))
     return optax.chain(*parts)
+
+
+def with_schedule_step(opt_state, step: int):
+    """`opt_state` with the LR schedule's counter set to `step`: a fresh optimizer state
+    mid-run (a stage with `optimizer: fresh`, a weights-only branch) starts its moments and
+    Adam's bias correction at 0 but must read the run's LR at its real step."""
+    is_schedule = lambda path, _: getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState"
+    count = optax.tree.get(opt_state, "count", filtering=is_schedule)
+    # placed like the old counter, so the jitted step sees the same input layout
+    return optax.tree.set(opt_state, is_schedule, count=jax.device_put(
+        jnp.asarray(step, count.dtype), count.sharding))
 
 
 def trainable(model):

@@ -11,6 +11,7 @@ A run directory holds one run. Its files, each named only here:
     train.lock             advisory lock held by the one trainer writing here (its pid)
     worker.pid             pid of the supervisor's current worker
     lab_run.json           the lab run id this directory reports to
+    lineage.json           a branch's parent: its run dir, step, lab run, optimizer state
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ QUARANTINE_DIR = "checkpoints.bad"
 LOCK_FILE = "train.lock"
 WORKER_PID_FILE = "worker.pid"
 LAB_RUN_FILE = "lab_run.json"
+LINEAGE_FILE = "lineage.json"
 
 _CHANGED_CONFIG = re.compile(r"config\.step-(\d+)\.yaml")
 
@@ -124,7 +126,8 @@ def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, 
         raise UserError(f"{path} is not readable YAML ({err}); restore it or use a new "
                         "--run-dir") from err
     changes = config_changes(saved if isinstance(saved, dict) else {}, config_to_dict(cfg))
-    refused = {k: v for k, v in changes.items() if not k.startswith(PLACEMENT)}
+    # stages: the trainer checks, at the resume step, that only stages yet to start change
+    refused = {k: v for k, v in changes.items() if not k.startswith(PLACEMENT) and k != "stages"}
     if refused and not allow_change:
         listed = "; ".join(f"{k}: run {a!r}, now {b!r}" for k, a, b in
                            ((k, *v) for k, v in refused.items()))

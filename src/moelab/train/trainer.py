@@ -8,6 +8,7 @@ never crashed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,8 +20,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from moelab.config import Config, ConfigError, DataConfig, config_to_dict
-from moelab.data.loader import Loader, read_meta
+from moelab.config import Config, ConfigError, DataConfig, config_from_dict, config_to_dict
+from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.model import Transformer
 from moelab.parallel.distributed import initialize_distributed
@@ -29,8 +30,16 @@ from moelab.train.checkpoint import Checkpointer
 from moelab.train.interrupt import StopRequest
 from moelab.train.memory import check_fits
 from moelab.train.metrics import mfu
-from moelab.train.optimizer import lr_schedule, make_optimizer, trainable
-from moelab.train.rundir import RunDirLock, check_identity, save_config
+from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
+from moelab.train.plan import Stage, build_plan, check_sources
+from moelab.train.rundir import (
+    CHECKPOINT_DIR,
+    LAB_RUN_FILE,
+    LINEAGE_FILE,
+    RunDirLock,
+    check_identity,
+    save_config,
+)
 from moelab.train.runlog import RunLog
 from moelab.train.spikes import SpikeDetector
 from moelab.train.step import make_eval_step, make_train_step
@@ -64,6 +73,21 @@ def build_model(cfg: Config, mesh):
     return model
 
 
+def stage_config(cfg: Config, stage: Stage) -> Config:
+    """`cfg` with the data shape a stage trains on (for the memory check and MFU)."""
+    data = dataclasses.replace(cfg.data, seq_len=stage.seq_len, batch_size=stage.batch_size)
+    return dataclasses.replace(cfg, data=data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parent:
+    """Where a branch starts (`moelab train --from RUN_DIR[@STEP] [--weights-only]`)."""
+
+    run_dir: Path
+    step: int | None = None  # None: the parent's newest good checkpoint
+    weights_only: bool = False  # fresh optimizer state (Delphi) instead of the parent's
+
+
 # model -> {"val_loss/<source>": loss}: replaces the sampled validation (the ladder's
 # whole-val-split score, so every run's curve is measured on the same text)
 Evaluator = Callable[[object], dict[str, float]]
@@ -72,41 +96,65 @@ Evaluator = Callable[[object], dict[str, float]]
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, experiment: str | None = None,
                  allow_config_change: bool = False, stop: StopRequest | None = None,
-                 match_experiment: bool = False, evaluator: Evaluator | None = None):
-        self.cfg, self.run_dir, self.evaluator = cfg, run_dir, evaluator
+                 match_experiment: bool = False, evaluator: Evaluator | None = None,
+                 parent: Parent | None = None):
+        self.cfg, self.run_dir, self.evaluator, self.parent = cfg, run_dir, evaluator, parent
         self.stop = stop if stop is not None else StopRequest()
         # Before anything is written: a refused config leaves the run dir as it was.
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
         d = cfg.data
+        self.plan = build_plan(cfg)
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed)
+        if self.plan.staged:
+            check_sources(self.plan, self.loader.sources)
+            self.loader = StagedLoader(data_dir, self.plan.stages, d.seed)
+        # val keeps the run's seq_len and batch in every stage: one yardstick for the curve
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
         initialize_distributed(cfg.distributed)  # before any device is touched; no-op on 1 host
-        check_fits(cfg)  # before allocating: a clear error, not an XLA out-of-memory
+        for stage in self.plan.stages:  # before allocating: a clear error, not an XLA OOM
+            try:
+                check_fits(stage_config(cfg, stage))
+            except ConfigError as err:
+                if not self.plan.staged:
+                    raise
+                raise ConfigError(f"{self.plan.name_of(stage)}.seq_len: {stage.seq_len} x batch "
+                                  f"{stage.batch_size}: {err}") from None
         self.mesh = make_mesh(cfg.mesh)
         self.model = build_model(cfg, self.mesh)
-        self.optimizer = make_optimizer(cfg.optim, cfg.train.steps, None, cfg.model.d_model)
+        self.lr = run_schedule(cfg)
+        self.optimizer = make_optimizer(cfg.optim, cfg.train.steps, None, cfg.model.d_model,
+                                        self.lr)
         # Sharded like the params, so the first step's output layout equals its input's
         # and the step compiles once.
-        self.opt_state = init_sharded(self.optimizer.init, self.mesh, trainable(self.model))
+        self.opt_state = self._fresh_opt_state()
         self.train_step = make_train_step(cfg, self.optimizer)
         self.eval_step = make_eval_step(cfg)
-        self.lr = lr_schedule(cfg.optim, cfg.train.steps)
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
-        self.ckpt = Checkpointer(run_dir, t.keep_checkpoints)
+        permanent = self.plan.starts() if t.keep_stage_checkpoints else []
+        self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, permanent=permanent)
         self.log = RunLog(run_dir, experiment, config_to_dict(cfg),
                           allow_config_change if match_experiment else None)
         self.step = self._resume()
         self._save_config()
 
+    def _fresh_opt_state(self, step: int = 0):
+        """New AdamW moments, placed like the params, reading the LR of `step`."""
+        state = init_sharded(self.optimizer.init, self.mesh, trainable(self.model))
+        return with_schedule_step(state, step) if step else state
+
     def _resume(self) -> int:
         found = self.ckpt.restore_latest_good(self.model, self.opt_state, self.cfg)
         if found is None:
-            return 0
+            return 0 if self.parent is None else self._branch(self.parent)
+        if self.parent is not None and not (self.run_dir / LINEAGE_FILE).exists():
+            raise UserError(f"--from: {self.run_dir} already holds a run of its own; a branch "
+                            "starts in a new --run-dir")
         self.model, self.opt_state, meta, step = found
+        self._check_plan_change(meta["config"], step)
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
             self.detectors[name].load_state_dict(state)
@@ -115,9 +163,63 @@ class Trainer:
         print(f"resumed from checkpoint at step {step}")
         return step
 
+    def _branch(self, parent: Parent) -> int:
+        """Start this run from a verified checkpoint of another run: its weights (and unless
+        weights_only its optimizer state) at its step, so this run's curve forks there."""
+        src = Path(parent.run_dir).absolute()
+        if src == self.run_dir.absolute():
+            raise UserError(f"--from {parent.run_dir}: that is this run's own --run-dir")
+        if not (src / CHECKPOINT_DIR).is_dir():
+            raise UserError(f"--from {parent.run_dir}: no checkpoints there; pass the run dir "
+                            "of a training run")
+        ckpt = Checkpointer(src, keep=1_000_000, writer=False)
+        steps = ckpt.steps()
+        step = parent.step if parent.step is not None else (steps[-1] if steps else None)
+        if step not in steps:
+            raise UserError(f"--from {parent.run_dir}@{parent.step}: no checkpoint at that step; "
+                            f"it keeps steps {steps}")
+        reason = ckpt.verify(step)
+        if reason is not None:
+            raise UserError(f"--from {parent.run_dir}@{step}: the checkpoint is damaged "
+                            f"({reason}); pick another step")
+        if step >= self.cfg.train.steps:
+            raise UserError(f"--from {parent.run_dir}@{step}: the branch must train past step "
+                            f"{step}; raise train.steps ({self.cfg.train.steps})")
+        self.model, opt_state, _ = ckpt.restore(step, self.model, self.opt_state, self.cfg)
+        self.opt_state = self._fresh_opt_state(step) if parent.weights_only else opt_state
+        self.loader.step = step  # a batch is a function of the step: the plan goes on from it
+        lab_run = (json.loads((src / LAB_RUN_FILE).read_text())["run_id"]
+                   if (src / LAB_RUN_FILE).exists() else None)
+        lineage = {"parent_run_dir": str(src), "step": step, "parent_lab_run": lab_run,
+                   "optimizer_state": "fresh" if parent.weights_only else "parent's"}
+        path = self.run_dir / LINEAGE_FILE
+        if not path.exists():
+            self.log.event(step, "branch", f"branched from {src}@{step} (lab run {lab_run}) "
+                           f"with {lineage['optimizer_state']} optimizer state")
+            path.write_text(json.dumps(lineage))
+        self.log.rewind_to(step)
+        print(f"branched from {src} at step {step}")
+        return step
+
+    def _check_plan_change(self, saved: dict, step: int) -> None:
+        """Refuse a resume whose plan changes a stage that has trained (one-line error);
+        stages yet to start may change, recorded as a plan_change event."""
+        old = build_plan(config_from_dict(saved))
+        changed = old.started_changes(self.plan, step)
+        if changed:
+            raise ConfigError(f"stages: the plan changes {', '.join(changed)}, which has "
+                              f"already trained (resuming at step {step}); only stages that "
+                              "start later may change: branch instead with `moelab train "
+                              f"--from {self.run_dir}@STEP` into a new --run-dir")
+
     def _save_config(self) -> None:
         path = save_config(self.run_dir, self.cfg, self.step, bool(self.config_changes))
-        if self.config_changes:
+        if "stages" in self.config_changes:
+            old, new = self.config_changes["stages"]
+            diff = json.dumps({"old": old, "new": new})
+            self.log.event(self.step, "plan_change", f"stages not started by step {self.step} "
+                           f"changed (saved as {path.name}): {diff}")
+        elif self.config_changes:
             changed = {k: {"old": a, "new": b} for k, (a, b) in self.config_changes.items()}
             self.log.event(self.step, "config_change",
                            f"config changed at step {self.step} (saved as {path.name}): "
@@ -172,13 +274,16 @@ class Trainer:
         pending = None  # (step, device-side metrics) queued but not fetched yet
         while self.step < t.steps:
             self._maybe_fault()
+            self._enter_stage()
             batch = self._on_mesh(next(self.loader))
             self.model, self.opt_state, parts = self.train_step(self.model, self.opt_state, batch)
             self.step += 1
             if pending is not None:
                 self._complete(*pending)
             pending = (self.step, parts)
-            boundary = (self.step % t.eval_every == 0, self.step % t.checkpoint_every == 0,
+            stage_end = t.keep_stage_checkpoints and self.step in self.plan.starts()
+            boundary = (self.step % t.eval_every == 0,
+                        self.step % t.checkpoint_every == 0 or stage_end,
                         self.step % t.log_every == 0, self.step == t.steps)
             if any(boundary) or self.stop.requested:
                 record = self._complete(*pending, evaluate=boundary[0] or boundary[3])
@@ -194,13 +299,28 @@ class Trainer:
         self.log.finish("succeeded")
         return {"step": self.step, **record}
 
+    def _enter_stage(self) -> None:
+        """At a stage's first step: say so (once, even across a resume) and, for
+        `optimizer: fresh`, start new AdamW moments (the LR keeps the run's step)."""
+        stage = self.plan.at(self.step)
+        if not self.plan.staged or stage.start != self.step:
+            return
+        if self.plan.fresh_optimizer_at(self.step):
+            self.opt_state = self._fresh_opt_state(self.step)
+        message = stage.summary()
+        if not any(e.get("kind") == "stage" and e.get("message") == message
+                   for e in self.log.events.read()):
+            self.log.event(self.step, "stage", message)
+            print(message, flush=True)
+
     def _complete(self, step: int, parts: dict, evaluate: bool = False) -> dict:
         """Fetch step `step`'s metrics (waiting for it to finish), check and log them."""
         parts = jax.device_get(parts)
         now = time.time()
-        tokens_per_s = self.cfg.data.batch_size * self.cfg.data.seq_len / (now - self._last_done)
+        stage = self.plan.at(step - 1)
+        tokens_per_s = stage.batch_size * stage.seq_len / (now - self._last_done)
         self._last_done = now
-        record = self._record(parts, self.lr(step - 1), tokens_per_s)
+        record = self._record(parts, self.lr(step - 1), tokens_per_s, stage)
         self._check_finite(step, record)
         self._flag_spikes(step, record)
         if evaluate:
@@ -208,11 +328,17 @@ class Trainer:
         self.log.step(step, record)
         return record
 
-    def _record(self, parts: dict, lr: float, tokens_per_s: float) -> dict:
+    def _record(self, parts: dict, lr: float, tokens_per_s: float, stage: Stage) -> dict:
         record = {k: float(parts[k]) for k in
                   ("loss", "ce", "aux_loss", "seq_aux_loss", "router_z", "logit_z",
                    "grad_norm")}
-        record.update(lr=float(lr), tokens_per_s=tokens_per_s, mfu=mfu(self.cfg, tokens_per_s))
+        record.update(lr=float(lr), tokens_per_s=tokens_per_s,
+                      mfu=mfu(stage_config(self.cfg, stage), tokens_per_s))
+        if self.plan.staged:  # the stage and the mixture it actually draws (normalized)
+            record["stage"] = stage.index
+            weights = self.loader.weights[stage.index]
+            record.update({f"mixture/{s}": float(w) for s, w in
+                           zip(self.loader.sources, weights, strict=True)})
         for name in ("drop_frac", "sender_drop_frac", "padding_frac", "router_entropy",
                      "bias_range"):
             for i, value in enumerate(np.atleast_1d(parts.get(name, []))):
@@ -253,18 +379,19 @@ class Trainer:
 
 def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
           allow_config_change: bool = False, match_experiment: bool = False,
-          evaluator: Evaluator | None = None) -> dict:
+          evaluator: Evaluator | None = None, parent: Parent | None = None) -> dict:
     """Train (or resume) the run in `run_dir`; returns the last step's metrics.
 
     Holds the run dir's lock throughout (a second trainer is refused) and turns
     SIGTERM/SIGINT into a checkpoint and `errors.Interrupted`. `match_experiment`: the
     config must be the experiment's snapshot (`moelab train --experiment`; a ladder's
     experiment holds many rungs' configs, so it does not ask for this). `evaluator`
-    replaces the sampled validation (the ladder scores the whole val split).
+    replaces the sampled validation (the ladder scores the whole val split). `parent`:
+    a new run starts from another run's checkpoint (a branch).
     """
     try:
         with RunDirLock(Path(run_dir)), StopRequest() as stop:
             return Trainer(cfg, Path(run_dir), experiment, allow_config_change, stop,
-                           match_experiment, evaluator).run()
+                           match_experiment, evaluator, parent).run()
     except FileNotFoundError as err:
         raise UserError(str(err)) from err

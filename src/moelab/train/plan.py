@@ -1,0 +1,238 @@
+"""A run as a plan of stages: pre-training -> mid-training -> ... in one loop.
+
+A stage says where it starts (a fraction of `train.steps` or a step) and what changes from
+there: the data mixture, optionally `seq_len` with `batch_size`, the learning rate (the
+whole-run schedule continues, or a `restart` begins a new warmup and decay), and whether
+the optimizer state is kept (OLMo 3) or started fresh (Delphi). Marin's "switch the data
+during the decay" is a stage with only a mixture.
+
+The plan is resolved once from the config into absolute steps, so the trainer, the loader
+and the LR schedule all ask it the same question, "which stage is step s in?", and a
+batch stays a pure function of (seed, step). This module is pure Python (no jax), so the
+config can build and check it before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from moelab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moelab.config import Config
+
+# Model fields a stage may change (the long-context issue adds RoPE settings here); the
+# parameter shapes never change, so the checkpoint stays loadable across the stage.
+STAGE_MODEL_FIELDS: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    """A new LR schedule from the stage's start to the next restart (or the run's end)."""
+
+    warmup: int = 0  # steps of linear warmup up to the stage's peak
+    peak_fraction: float = 1.0  # the stage's peak LR = optim.lr * peak_fraction
+    decay: Literal["linear", "cosine", "constant"] = "linear"  # after the warmup
+    min_lr_ratio: float | None = None  # end LR / the stage's peak; null = optim.min_lr_ratio
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One stage of `stages:`; fields left at their default keep the run's setting."""
+
+    # Where it starts: a float in [0, 1) is a fraction of train.steps, an int is a step.
+    start: int | float = 0
+    name: str = ""
+    mixture: dict[str, float] = field(default_factory=dict)  # source -> weight; {} = data.mixture
+    # 0 = data.seq_len. A stage that sets seq_len but not batch_size keeps tokens per step
+    # constant: batch_size = data.batch_size * data.seq_len / seq_len (must divide).
+    seq_len: int = 0
+    batch_size: int = 0  # 0 = data.batch_size (or the token-constant one above)
+    optimizer: Literal["keep", "fresh"] = "keep"  # fresh: new AdamW moments at the start
+    restart: RestartConfig | None = None  # null: the whole-run schedule (optim.*) continues
+    model: dict[str, Any] = field(default_factory=dict)  # overrides of STAGE_MODEL_FIELDS
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage resolved to absolute steps: it trains the updates start .. end-1."""
+
+    index: int
+    name: str
+    start: int
+    end: int
+    mixture: dict[str, float]  # {} = proportional to each source's tokens
+    seq_len: int
+    batch_size: int
+    optimizer: str
+    restart: RestartConfig | None
+
+    @property
+    def rows(self) -> int:
+        """Sequences the stage trains on: the unit its mixture is apportioned in."""
+        return (self.end - self.start) * self.batch_size
+
+    def summary(self) -> str:
+        mix = ", ".join(f"{s} {w:g}" for s, w in self.mixture.items()) or "by size"
+        lr = ("whole-run schedule" if self.restart is None else
+              f"restart (warmup {self.restart.warmup}, peak x{self.restart.peak_fraction:g}, "
+              f"{self.restart.decay} decay)")
+        return (f"stage {self.index}{f' ({self.name})' if self.name else ''}: steps "
+                f"{self.start}..{self.end}, mixture {{{mix}}}, seq_len {self.seq_len} x batch "
+                f"{self.batch_size}, optimizer {self.optimizer}, lr {lr}")
+
+
+def _start_step(stage: StageConfig, steps: int, where: str) -> int:
+    start = stage.start
+    if isinstance(start, float):
+        if not 0 <= start < 1:
+            raise ConfigError(f"{where}.start: a fraction must be in [0, 1) (an int is a step), "
+                              f"got {start}")
+        return int(round(start * steps))
+    if start < 0:
+        raise ConfigError(f"{where}.start: must be >= 0, got {start}")
+    return start
+
+
+class Plan:
+    """The resolved stages of a run; a run without `stages:` is one stage."""
+
+    def __init__(self, stages: tuple[Stage, ...], steps: int, staged: bool, offset: int = 0):
+        self.stages, self.steps, self.staged = stages, steps, staged
+        self.offset = offset  # 1 when a "base" stage was put before the declared ones
+
+    def name_of(self, stage: Stage) -> str:
+        """The config field naming a stage: `stages[i]` as the user wrote it."""
+        return f"stages[{stage.index - self.offset}]" if stage.index >= self.offset else "data"
+
+    def at(self, step: int) -> Stage:
+        """The stage that trains update `step` (0-based: the step-th call of the step fn)."""
+        for stage in reversed(self.stages):
+            if step >= stage.start:
+                return stage
+        return self.stages[0]
+
+    def starts(self) -> list[int]:
+        """The boundary steps: where a stage after the first begins."""
+        return [s.start for s in self.stages[1:]]
+
+    def fresh_optimizer_at(self, step: int) -> bool:
+        return any(s.start == step and s.optimizer == "fresh" for s in self.stages[1:])
+
+    def lr_segments(self) -> list[tuple[int, int, RestartConfig | None]]:
+        """(start, end, restart or None for the whole-run schedule) covering 0..steps."""
+        cuts = [s for s in self.stages if s.restart is not None and s.start > 0]
+        bounds = [0, *[s.start for s in cuts], self.steps]
+        kinds = [self.stages[0].restart, *[s.restart for s in cuts]]
+        return [(a, b, r) for a, b, r in zip(bounds, bounds[1:], kinds, strict=False)]
+
+    def started_changes(self, other: Plan, step: int) -> list[str]:
+        """Which stages that have started by `step` differ between this plan and `other`
+        (their end included: it sets the stage's apportionment and LR decay)."""
+        out = []
+        for stage in self.stages:
+            if stage.start >= step:  # not one update of it trained yet
+                continue
+            twin = next((s for s in other.stages if s.index == stage.index), None)
+            if twin != stage:
+                out.append(f"stage {stage.index} (started at step {stage.start})")
+        out += [f"new stage {s.index} starting at step {s.start}" for s in other.stages
+                if s.index >= len(self.stages) and s.start <= step]
+        return out
+
+
+def build_plan(cfg: Config) -> Plan:
+    """Resolve and check `cfg.stages`; every error names the field (`stages[i].x`)."""
+    d, steps = cfg.data, cfg.train.steps
+    if not cfg.stages:
+        only = Stage(0, "", 0, steps, dict(d.mixture), d.seq_len, d.batch_size, "keep", None)
+        return Plan((only,), steps, staged=False)
+    raw = list(cfg.stages)
+    starts = [_start_step(s, steps, f"stages[{i}]") for i, s in enumerate(raw)]
+    if starts[0] > 0:  # the steps before the first declared stage train on the run's data.*
+        raw.insert(0, StageConfig(start=0, name="base"))
+        starts.insert(0, 0)
+    offset = len(raw) - len(cfg.stages)  # to name fields by the user's own indices
+    for i, (a, b) in enumerate(zip(starts, starts[1:], strict=False)):
+        if b <= a:
+            raise ConfigError(f"stages[{i + 1 - offset}].start: stages must be in order and "
+                              f"not overlap; step {b} is not after step {a} of the stage before")
+    if starts[-1] >= steps:
+        raise ConfigError(f"stages[{len(raw) - 1 - offset}].start: step {starts[-1]} is past "
+                          f"the end of the run (train.steps={steps})")
+    stages = []
+    for i, (stage, start) in enumerate(zip(raw, starts, strict=True)):
+        where = f"stages[{i - offset}]"
+        end = starts[i + 1] if i + 1 < len(raw) else steps
+        _check_mixture(stage.mixture, f"{where}.mixture")
+        unknown = sorted(set(stage.model) - set(STAGE_MODEL_FIELDS))
+        if unknown:
+            allowed = list(STAGE_MODEL_FIELDS) or "none yet"
+            raise ConfigError(f"{where}.model: {unknown} cannot change per stage (allowed: "
+                              f"{allowed})")
+        seq_len, batch = _shape(stage, cfg, where)
+        if stage.optimizer == "fresh" and start == 0:
+            raise ConfigError(f"{where}.optimizer: the first stage's optimizer is always fresh; "
+                              "'fresh' applies to a later stage")
+        if stage.restart is not None:
+            _check_restart(stage.restart, end - start, f"{where}.restart")
+        stages.append(Stage(i, stage.name, start, end, dict(stage.mixture or d.mixture), seq_len,
+                            batch, stage.optimizer, stage.restart))
+    return Plan(tuple(stages), steps, staged=True, offset=offset)
+
+
+def _check_mixture(mixture: dict[str, float], where: str) -> None:
+    for source, weight in mixture.items():
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ConfigError(f"{where}.{source}: weight must be a finite number >= 0, got "
+                              f"{weight}")
+    if mixture and sum(mixture.values()) <= 0:
+        raise ConfigError(f"{where}: weights must sum to a positive number, got {mixture}")
+
+
+def _shape(stage: StageConfig, cfg: Config, where: str) -> tuple[int, int]:
+    """(seq_len, batch_size) of a stage: tokens per step constant unless both are given."""
+    d = cfg.data
+    if stage.seq_len < 0 or stage.batch_size < 0:
+        raise ConfigError(f"{where}: seq_len and batch_size must be > 0 (0 = the run's)")
+    seq_len = stage.seq_len or d.seq_len
+    batch = stage.batch_size
+    if not batch:
+        if (d.batch_size * d.seq_len) % seq_len:
+            raise ConfigError(f"{where}.seq_len: {seq_len} does not divide the run's "
+                              f"{d.batch_size * d.seq_len} tokens per step; set "
+                              f"{where}.batch_size too")
+        batch = d.batch_size * d.seq_len // seq_len
+    accum = cfg.optim.grad_accum
+    shards = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.expert
+    if batch % accum or (batch // accum) % shards:
+        raise ConfigError(f"{where}.batch_size: {batch} must split into optim.grad_accum={accum} "
+                          f"micro-batches over {shards} devices")
+    if cfg.moe.pool_size and batch % cfg.moe.pool_size:
+        raise ConfigError(f"{where}.batch_size: {batch} must be a multiple of moe.pool_size="
+                          f"{cfg.moe.pool_size}")
+    return seq_len, batch
+
+
+def _check_restart(restart: RestartConfig, length: int, where: str) -> None:
+    if restart.warmup < 0 or restart.warmup >= length:
+        raise ConfigError(f"{where}.warmup: {restart.warmup} must be >= 0 and shorter than its "
+                          f"{length} steps")
+    if not (math.isfinite(restart.peak_fraction) and restart.peak_fraction > 0):
+        raise ConfigError(f"{where}.peak_fraction: must be > 0, got {restart.peak_fraction}")
+    ratio = restart.min_lr_ratio
+    if ratio is not None and not 0 <= ratio <= 1:
+        raise ConfigError(f"{where}.min_lr_ratio: must be in [0, 1], got {ratio}")
+
+
+def check_sources(plan: Plan, sources: list[str]) -> None:
+    """An unknown source in a stage's mixture: checked once the data (its sources) is known."""
+    if not plan.staged:
+        return
+    for stage in plan.stages:
+        unknown = sorted(set(stage.mixture) - set(sources))
+        if unknown:
+            raise ConfigError(f"{plan.name_of(stage)}.mixture: source(s) {unknown} are not in "
+                              f"the dataset (its sources: {sources})")
