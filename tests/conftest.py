@@ -56,6 +56,25 @@ def write_config(tmp_path, small_corpus):
     return write
 
 
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory, small_corpus) -> dict[str, Path]:
+    """Two tiny runs trained 12 steps on the small corpus by the `moelab` CLI: "qwen"
+    (softmax router: exports as Qwen3-MoE) and "glm" (sigmoid router, shared expert,
+    selection bias, routed scaling: exports as Glm4Moe)."""
+    from moelab.cli import main
+
+    root = tmp_path_factory.mktemp("trained")
+    glm = {"moe": {"router": "sigmoid", "shared_expert": True, "balance": "bias_sign",
+                   "routed_scaling": 2.0}, "loss": {"aux_weight": 0.0}}
+    runs = {}
+    for name, sections in (("qwen", {}), ("glm", glm)):
+        path = root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(tiny_config(small_corpus, **sections)))
+        assert main(["train", "--config", str(path), "--run-dir", str(root / name)]) == 0
+        runs[name] = root / name
+    return runs
+
+
 def fake_devices_env(n: int, **extra: str) -> dict[str, str]:
     """Env for a subprocess with n fake CPU devices (XLA_FLAGS must be set before jax is
     imported); compiles fast and are cached on disk across test processes."""
