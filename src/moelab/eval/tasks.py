@@ -7,7 +7,8 @@ of the same document, and lines of the same length range from 3 other held-out d
 of the same domain). The model scores each candidate's log-likelihood after the passage
 (the ranked-classification or cloze form OLMES recommends for small models: lettered
 multiple-choice sits at chance below a few billion parameters). acc picks the highest
-log-likelihood, acc_norm the highest per byte of candidate text. Chance is 1/4.
+log-likelihood, acc_norm the highest per character of candidate text (the harness's
+normalization). Chance is 1/4.
 
 Everything is a pure function of (held-out data, seed): the same seed writes the same
 bytes, so a score can be reproduced and compared across runs.
