@@ -12,7 +12,7 @@ pytest.importorskip("lm_eval")
 
 from moelab.cli import main  # noqa: E402
 from moelab.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
-from moelab.eval.harness import make_lm, run_tasks  # noqa: E402
+from moelab.eval.harness import gold_bpb, make_lm, run_tasks  # noqa: E402
 from moelab.eval.tasks import CHOICES, write_tasks  # noqa: E402
 
 
@@ -100,6 +100,11 @@ def test_oracle_scores_100_and_uniform_sits_at_chance(task_data, tmp_path):
             # the draw is fixed by the seed; 2 standard errors is the 95% band around chance
             s, se = scores[name][key], scores[name][f"{key}_stderr"]
             assert 0 < se < 0.05 and abs(s - 1 / CHOICES) <= 2 * se, (name, key, s, se)
+        # gold-answer bpb of the uniform model: log2(V) bits per gold token, over the bytes
+        golds = [it["choices"][it["gold"]] for it in _items(written[name])]
+        tokens = sum(len(tokenizer.encode(g).ids) for g in golds)
+        assert gold_bpb(uniform, written[name]) == pytest.approx(
+            tokens * np.log2(vocab) / sum(len(g.encode()) for g in golds), rel=1e-9)
 
 
 def test_eval_cli_scores_a_run_and_logs_to_the_lab(task_run, tmp_path, monkeypatch, capsys):
@@ -115,6 +120,7 @@ def test_eval_cli_scores_a_run_and_logs_to_the_lab(task_run, tmp_path, monkeypat
     record = json.loads((tmp_path / "e" / "tasks-step2.json").read_text())
     for s in record["scores"].values():
         assert 0 <= s["acc"] <= 1 and 0 < s["acc_stderr"] < 0.2 and s["n"] == 30
+        assert s["gold_bpb"] > 0
     assert main(["eval", "bpb", str(task_run), "--out", str(tmp_path / "e"),
                  "--experiment", exp]) == 0
     bpb = json.loads((tmp_path / "e" / "bpb-step2.json").read_text())["metrics"]
@@ -140,3 +146,34 @@ def test_eval_bad_input_is_one_line(task_run, tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
+
+
+def test_ladder_downstream_states_whether_tasks_follow_the_loss(tmp_path, monkeypatch,
+                                                                small_corpus):
+    """The ladder's downstream table and its rank-correlation verdict (the per-run task
+    scoring, exercised above through the CLI, is replaced by fixed numbers here)."""
+    from types import SimpleNamespace
+
+    from moelab.config import config_from_dict
+    from moelab.ladder import downstream as ds
+    from moelab.ladder.spec import FitOptions, LadderSpec, Rung
+
+    cfg = config_from_dict(tiny_config(small_corpus))
+    rungs = tuple(Rung(f"r{i}", cfg) for i in range(3))
+    spec = LadderSpec("t", tmp_path, rungs, Rung("big", cfg), FitOptions())
+    loss = {"r0": 4.0, "r1": 3.5, "r2": 3.2, "big": 3.0}
+    gold = {"r0": 2.0, "r1": 1.8, "r2": 1.7, "big": 1.5}  # falls with the loss
+    acc = {"r0": 0.30, "r1": 0.25, "r2": 0.28, "big": 0.26}  # noise around chance
+    monkeypatch.setattr(ds, "is_finished", lambda rung, path: True)
+    monkeypatch.setattr(ds, "result", lambda rung, path, metric: SimpleNamespace(
+        final_val_loss=loss[rung.name]))
+    monkeypatch.setattr(ds, "_score", lambda path, items, seed: {"cont_code": {
+        "acc": acc[path.name], "acc_stderr": 0.03, "acc_norm": acc[path.name],
+        "gold_bpb": gold[path.name]}})
+    report = ds.write_downstream(spec, items=10)
+    assert [r["run"] for r in report["runs"]] == ["r0", "r1", "r2", "big"]
+    assert report["spearman_with_loss"]["gold_bpb"] == pytest.approx(1.0)
+    assert report["follows_loss"] == {"gold_bpb": True, "acc": False}
+    text = (tmp_path / "downstream.md").read_text()
+    assert "| **big** (target) | 3.0000 | 0.260 +- 0.030 | 0.260 | 1.5000 |" in text
+    assert "gold-answer bpb +1.00 (follows the loss)" in text

@@ -103,7 +103,7 @@ def _to_lab(experiment: str | None, run_dir: Path, cfg, step: int,
 def _tasks(args: argparse.Namespace) -> None:
     from moelab.errors import UserError
     from moelab.eval import harness
-    from moelab.eval.tasks import PREFIX, task_names, write_tasks
+    from moelab.eval.tasks import PREFIX, task_names
 
     if args.items < 1:
         raise UserError(f"--items must be >= 1, got {args.items}")
@@ -114,20 +114,17 @@ def _tasks(args: argparse.Namespace) -> None:
     if unknown:  # before the harness indexes its own tasks (seconds)
         raise UserError(f"unknown local task(s) {unknown}; this run's dataset has {available}")
     tokenizer = _tokenizer(cfg, args.tokenizer)
-    local = [n for n in names if n in available]
     out = args.out or args.run_dir / "eval"
-    task_dir = out / "tasks"
-    write_tasks(cfg.data.path, tokenizer, local, task_dir, args.items, args.seed)
-    lm = harness.make_lm(harness.model_logits_fn(model, cfg.train.dtype), tokenizer,
-                         cfg.data.seq_len)
-    scores = harness.run_tasks(lm, task_dir, names, args.seed)
+    scores = harness.score_tasks(model, cfg, tokenizer, names, out / "tasks", args.items,
+                                 args.seed)
     record = {"run_dir": str(args.run_dir), "step": step, "kind": "tasks", "seed": args.seed,
               "items": args.items, "scores": scores}
     path = _write(out, f"tasks-step{step}.json", record)
     print(f"step {step} of {args.run_dir} (chance 0.25 for the local 4-way tasks):")
     for name, s in scores.items():
+        gold = f"   gold bpb {s['gold_bpb']:.3f}" if "gold_bpb" in s else ""
         print(f"  {name:<16} acc {s['acc']:.3f} +- {s['acc_stderr']:.3f}   acc_norm "
-              f"{s['acc_norm']:.3f} +- {s['acc_norm_stderr']:.3f}   n={s['n']}")
+              f"{s['acc_norm']:.3f} +- {s['acc_norm_stderr']:.3f}   n={s['n']}{gold}")
     print(f"wrote {path}")
     _to_lab(args.experiment, args.run_dir, cfg, step, harness.lab_metrics(scores))
 

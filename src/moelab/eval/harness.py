@@ -41,9 +41,8 @@ def _lm_base():
 
 
 def make_lm(logits_fn: LogitsFn, tokenizer: Tokenizer, max_len: int):
-    """An lm_eval `LM` scoring continuations with logits_fn; inputs longer than max_len
-    tokens keep their last max_len (the context is cut from the left, as the harness's
-    own models do)."""
+    """An lm_eval `LM` scoring continuations with logits_fn; a context longer than max_len
+    tokens (the training length) keeps its last tokens, as the harness's own models do."""
 
     from moelab.data.tokenizer import EOS
 
@@ -65,22 +64,26 @@ def make_lm(logits_fn: LogitsFn, tokenizer: Tokenizer, max_len: int):
 
         @staticmethod
         def _score(pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-            """(sum of the continuation's log-probs, whether it is the greedy choice)."""
-            tokens = np.zeros((ROWS, max_len), np.int32)  # one compiled shape, right-padded
-            spans = []
-            for row, (ctx, cont) in enumerate(pairs):
-                full = (ctx + cont)[-(max_len + 1):]
-                n_cont = min(len(cont), len(full) - 1)
+            """(sum of the continuation's log-probs, whether it is the greedy choice).
+
+            The context is cut from the left to fit max_len; the continuation is always
+            scored whole (a longer one runs past max_len). Rows are right-padded to a
+            multiple of max_len, so a few shapes compile."""
+            fulls = [ctx[-max(max_len + 1 - len(cont), 1):] + cont for ctx, cont in pairs]
+            width = max(len(f) - 1 for f in fulls)
+            width = -(-width // max_len) * max_len
+            tokens = np.zeros((ROWS, width), np.int32)
+            for row, full in enumerate(fulls):
                 tokens[row, : len(full) - 1] = full[:-1]
-                spans.append((len(full) - 1 - n_cont, len(full) - 1, full[-n_cont:]))
             logits = np.asarray(logits_fn(tokens), np.float64)
             out = []
-            for row, (start, end, target) in enumerate(spans):
-                rows = logits[row, start:end]
+            for row, ((_, cont), full) in enumerate(zip(pairs, fulls, strict=True)):
+                end = len(full) - 1
+                rows = logits[row, end - len(cont) : end]
                 logz = np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1)) \
                     + rows.max(-1)
-                picked = rows[np.arange(len(target)), target] - logz
-                greedy = bool((rows.argmax(-1) == np.asarray(target)).all())
+                picked = rows[np.arange(len(cont)), cont] - logz
+                greedy = bool((rows.argmax(-1) == np.asarray(cont)).all())
                 out.append((float(picked.sum()), greedy))
             return out
 
@@ -138,11 +141,44 @@ def run_tasks(lm, task_dir: Path, names: list[str], seed: int = 0) -> dict[str, 
     return out
 
 
+def gold_bpb(lm, jsonl: Path) -> float:
+    """Bits per byte of each item's gold continuation after its context, pooled over the
+    task: a smooth downstream score that does not sit at chance for small models."""
+    import json
+
+    from moelab.eval.bpb import bits_per_byte
+
+    class _Request:  # the one field of lm_eval's Instance the adapter reads
+        def __init__(self, args: tuple[str, str]):
+            self.args = args
+
+    items = [json.loads(line) for line in Path(jsonl).read_text().splitlines()]
+    pairs = [(it["context"], it["choices"][it["gold"]]) for it in items]
+    lls = lm.loglikelihood([_Request(p) for p in pairs])
+    return bits_per_byte(-sum(ll for ll, _ in lls),
+                         sum(len(c.encode("utf-8")) for _, c in pairs))
+
+
+def score_tasks(model, cfg, tokenizer: Tokenizer, names: list[str], task_dir: Path,
+                items: int, seed: int) -> dict[str, dict]:
+    """Write the local tasks among names, run all of them through the harness on the
+    model, and add each local task's gold-answer bits per byte."""
+    from moelab.eval.tasks import task_names, write_tasks
+
+    local = [n for n in names if n in task_names(cfg.data.path)]
+    written = write_tasks(cfg.data.path, tokenizer, local, task_dir, items, seed)
+    lm = make_lm(model_logits_fn(model, cfg.train.dtype), tokenizer, cfg.data.seq_len)
+    scores = run_tasks(lm, task_dir, names, seed)
+    for name, jsonl in written.items():
+        scores[name]["gold_bpb"] = gold_bpb(lm, jsonl)
+    return scores
+
+
 def lab_metrics(scores: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The lab's names: task_acc/<task>, task_acc_norm/<task> and their _stderr."""
     out = {}
     for task, s in scores.items():
-        for key in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
+        for key in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr", "gold_bpb"):
             if isinstance(s.get(key), float) and math.isfinite(s[key]):
                 out[f"task_{key}/{task}"] = s[key]
     return out
