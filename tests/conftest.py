@@ -96,6 +96,23 @@ def events(run_dir) -> list:
     """The run's events.jsonl records (none yet: [])."""
     path = run_dir / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory, small_corpus) -> dict[str, Path]:
+    """Two tiny runs trained 12 steps on the small corpus by the `moelab` CLI: "qwen"
+    (softmax router: exports as Qwen3-MoE) and "glm" (sigmoid router, shared expert,
+    selection bias, routed scaling: exports as Glm4Moe)."""
+    from moelab.cli import main
+
+    root = tmp_path_factory.mktemp("trained")
+    glm = {"moe": {"router": "sigmoid", "shared_expert": True, "balance": "bias_sign",
+                   "routed_scaling": 2.0}, "loss": {"aux_weight": 0.0}}
+    runs = {}
+    for name, sections in (("qwen", {}), ("glm", glm)):
+        path = root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(tiny_config(small_corpus, **sections)))
+        assert main(["train", "--config", str(path), "--run-dir", str(root / name)]) == 0
+        runs[name] = root / name
+    return runs
 
 
 def fake_devices_env(n: int, **extra: str) -> dict[str, str]:

@@ -121,6 +121,7 @@ def test_metrics_file_has_every_documented_field(tmp_path, write_config):
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("loss", "ce", "aux_loss", "seq_aux_loss", "router_z", "logit_z", "grad_norm", "lr",
                 "tokens_per_s", "mfu", "drop_frac/layer_0", "drop_frac/layer_1",
-                "expert_load_max_over_mean/layer_0", "val_loss/code", "val_loss/prose"):
+                "expert_load_max_over_mean/layer_0", "val_loss/code", "val_loss/prose",
+                "val_bpb/code", "val_bpb/prose", "val_bpb_macro"):
         assert key in last, key
     assert 0 < last["drop_frac/layer_0"] < 1 and last["mfu"] > 0

@@ -220,11 +220,22 @@ def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
         "sources": sources,
         **{f"{split}_tokens": {s: totals[s, split] for s in sources} for split in SPLITS},
         "documents": {s: dict(counts[s]) for s in sources},
+        "held_out": held_out(sources),
         "settings": settings,
     }
     write_json(out / META_FILE, meta)
     shutil.rmtree(work)
     return meta
+
+
+def held_out(sources: list[str]) -> dict:
+    """meta.json's statement of the held-out split: which domains have one and why
+    training never sees it (the evals' bits per byte and tasks are drawn from it)."""
+    return {"split": "val", "domains": list(sources),
+            "rule": "about val_fraction of each source's kept documents, chosen by the sha256 "
+                    "of the normalized text after exact and near-duplicate removal (so no "
+                    "copy of a val document stays in train); the tokenizer is trained on "
+                    "train text only and the trainer's loader reads only the train split"}
 
 
 def ensure_default_corpus(path: str | Path) -> Path:

@@ -13,11 +13,31 @@ from pathlib import Path
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser(
-        "export", help="write a run's latest checkpoint as a transformers Qwen3-MoE model")
-    export.add_argument("--run-dir", required=True, type=Path, help="a training run directory")
-    export.add_argument("--out", required=True, type=Path,
-                        help="output directory (must not exist or be empty)")
+        "export", help="write a run's latest checkpoint as a transformers Qwen3-MoE model "
+        "(`moelab export verify RUN_DIR` checks an export against golden files)")
+    export.add_argument("--run-dir", type=Path, help="a training run directory (required)")
+    export.add_argument("--out", type=Path,
+                        help="output directory (must not exist or be empty; required)")
     export.set_defaults(func=_export)
+    actions = export.add_subparsers(dest="action")
+    verify = actions.add_parser(
+        "verify", help="golden forward files from moelab vs the export in transformers: "
+        "probabilities, argmax, routes; exit 1 if they disagree")
+    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    verify.add_argument("--export", type=Path,
+                        help="an existing export of this run to check (default: export the "
+                             "latest checkpoint into OUT/hf)")
+    verify.add_argument("--out", type=Path,
+                        help="where golden.json and verify.json go (default RUN_DIR/verify)")
+    verify.add_argument("--bound", type=float, default=1e-4,
+                        help="max per-token probability error allowed (float32: 1e-4)")
+    verify.add_argument("--margin-tol", type=float, default=1e-4,
+                        help="a route flip is explained when the gold k vs k+1 router margin "
+                             "is at most this")
+    verify.add_argument("--backend", choices=("transformers", "vllm"), action="append",
+                        help="backends to compare (default: transformers, and vllm when "
+                             "installed)")
+    verify.set_defaults(func=_verify)
 
     gen = subparsers.add_parser("generate", help="sample text from a run's latest checkpoint")
     gen.add_argument("--run-dir", required=True, type=Path, help="a training run directory")
@@ -56,7 +76,12 @@ def _tokenizer_or_none(data_path: str):
 
 
 def _export(args: argparse.Namespace) -> None:
+    from moelab.errors import UserError
     from moelab.export.hf import check_exportable, export_hf
+
+    if args.run_dir is None or args.out is None:
+        raise UserError("export needs --run-dir DIR and --out HFDIR (or `moelab export verify "
+                        "RUN_DIR`)")
 
     model, cfg, step = _load(args.run_dir)
     check_exportable(cfg)  # before the tokenizer is looked for
@@ -80,3 +105,73 @@ def _generate(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(cfg.data.path)
     print(args.prompt + generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
                                       args.temperature, args.top_p, args.seed))
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """Golden files from the run's latest checkpoint, compared with the export's outputs."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from moelab.data.shards import shard_path
+    from moelab.errors import EXIT_FAILED, EXIT_OK, UserError
+    from moelab.eval import golden as g
+    from moelab.export.hf import check_exportable, export_hf
+
+    if not args.bound > 0 or not args.margin_tol >= 0:
+        raise UserError(f"--bound must be > 0 and --margin-tol >= 0, got {args.bound}, "
+                        f"{args.margin_tol}")
+    backends = args.backend or ["transformers", "vllm"]
+    notes = []
+    if "vllm" in backends and not g.vllm_available():
+        if args.backend and "vllm" in args.backend:
+            raise UserError(g.VLLM_NOTE)
+        backends.remove("vllm")
+        notes.append(g.VLLM_NOTE)
+    elif "vllm" in backends:
+        raise UserError("vLLM is installed, but moelab's vLLM backend is not written yet (no "
+                        "GPU here to test it); compare its prompt log-probs with golden.json")
+    model, cfg, step = _load(args.run_dir)
+    check_exportable(cfg)
+    out = args.out or args.run_dir / "verify"
+    streams = []
+    for source in _sources(cfg.data.path):
+        streams.append(np.load(shard_path(cfg.data.path, source, "val"), mmap_mode="r"))
+    if not streams:
+        notes.append(f"no held-out data at {cfg.data.path}: the inputs are seeded random tokens")
+    inputs = g.fixed_inputs(cfg.data.seq_len, cfg.model.vocab_size, streams)
+    golden = g.write_golden(model, cfg, inputs, out / g.GOLDEN_FILE)
+    export_dir = args.export
+    if export_dir is None:
+        shutil.rmtree(out / "hf", ignore_errors=True)  # ours, from an earlier verify
+        export_dir = export_hf(model, cfg, out / "hf", _tokenizer_or_none(cfg.data.path))
+    elif not (export_dir / "config.json").is_file():
+        raise UserError(f"--export {export_dir} has no config.json; pass a `moelab export` "
+                        "output directory")
+    verdicts = [g.compare(golden, g.transformers_outputs(export_dir, golden), "transformers",
+                          args.bound, args.margin_tol)]
+    report = {"run_dir": str(args.run_dir), "step": step, "export": str(export_dir),
+              "golden": str(out / g.GOLDEN_FILE), "notes": notes,
+              "passed": all(v.passed for v in verdicts),
+              "backends": [v.to_dict() for v in verdicts]}
+    (out / g.VERIFY_FILE).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"export verify: step {step} of {args.run_dir} vs {export_dir}")
+    print(g.verdict_text(verdicts, golden, notes))
+    print(f"wrote {out / g.GOLDEN_FILE} and {out / g.VERIFY_FILE}")
+    if not report["passed"]:
+        failed = [f"{v.backend}: {'; '.join(v.problems())}" for v in verdicts if not v.passed]
+        print(f"moelab export verify: FAILED: {' | '.join(failed)}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _sources(data_path: str) -> list[str]:
+    """The dataset's sources, or [] when its directory is gone."""
+    from moelab.data.loader import read_meta
+    from moelab.errors import UserError
+
+    try:
+        return list(read_meta(data_path)["sources"])
+    except UserError:
+        return []

@@ -38,6 +38,10 @@ PLOTS = (
              marks=("restart", "resume", "config_change", "stage", "branch", "plan_change")),
     PlotSpec("val_loss", "Validation loss per source", "val_loss",
              "validation loss (nats/token)"),
+    PlotSpec("val_bpb", "Validation bits per byte per domain (tokenizer-independent)",
+             "val_bpb", "bits per byte"),
+    PlotSpec("task_acc", "Held-out task accuracy (`moelab eval`, ranked classification)",
+             "task_acc", "accuracy (fraction correct)"),
     PlotSpec("grad_norm", "Gradient norm (flagged steps marked)", "grad_norm",
              "global gradient L2 norm", marks=("spike", "divergence", "nan"), log_y=True),
     PlotSpec("drop_frac", "Dropped-token fraction per layer", "drop_frac",
@@ -47,7 +51,8 @@ PLOTS = (
 )
 # Units of the other metrics the trainer logs, for charts of any metric.
 UNITS = {"lr": "learning rate", "tokens_per_s": "throughput (tokens/s)",
-         "mfu": "model FLOPs utilization (fraction of peak)"}
+         "mfu": "model FLOPs utilization (fraction of peak)",
+         "val_bpb_macro": "bits per byte, mean over domains"}
 
 
 def y_label(metric: str) -> str:

@@ -234,7 +234,8 @@ def render_compare(store: Store, run_ids: list[str], root: str = "../", head: st
                 for run in runs]
     header = [run.id for run in runs]
     diff = config_diff({run.id: run.config for run in runs})
-    sources = sorted({n for values in latest.values() for n in values if matches(n, "val_loss")})
+    sources = sorted({n for values in latest.values() for n in values
+                      if matches(n, "val_loss") or matches(n, "val_bpb") or n == "val_bpb_macro"})
     val_rows = [[name, *(fmt_num(latest[r.id][name][1]) if name in latest[r.id] else ""
                          for r in runs)] for name in sources]
     event_rows = [[e.run_id, str(e.step), e.kind, e.message] for e in events]
@@ -245,8 +246,8 @@ def render_compare(store: Store, run_ids: list[str], root: str = "../", head: st
             + "<h2>Charts</h2>" + charts_html(chart_payload(store, runs, predictions, events))
             + (html_section("Config fields that differ", ["field", *header], diff)
                if len(runs) > 1 else "")
-            + html_section("Validation loss per source (last value)", ["metric", *header],
-                           val_rows)
+            + html_section("Validation loss and bits per byte per source (last value)",
+                           ["metric", *header], val_rows)
             + html_section("Events (restarts, spikes, config changes)",
                            ["run", "step", "kind", "message"], event_rows))
     return html_page(title, body, root, charts=True, head=head)

@@ -29,7 +29,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      "prediction to it")
     add_ray_arguments(run)
     command("fit", "fit the trained rungs and print the prediction (writes nothing)", _fit)
-    command("report", "rebuild report.json/.md and the plots of a finished ladder", _report)
+    report = command("report", "rebuild report.json/.md and the plots of a finished ladder",
+                     _report)
+    report.add_argument("--downstream", action="store_true",
+                        help="also score every point and the target on the local held-out "
+                             "tasks (downstream.md: accuracy and gold-answer bpb vs loss)")
+    report.add_argument("--items", type=int, default=100, help="items per task (--downstream)")
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,4 +128,9 @@ def _fit(args: argparse.Namespace) -> None:
 def _report(args: argparse.Namespace) -> None:
     from moelab.ladder.runner import report_ladder
 
-    report_ladder(_spec(args))
+    spec = _spec(args)
+    report_ladder(spec)
+    if args.downstream:
+        from moelab.ladder.downstream import write_downstream
+
+        write_downstream(spec, args.items)

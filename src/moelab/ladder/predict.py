@@ -35,7 +35,7 @@ from moelab.ladder.fit import (
     parametric_interval,
     power_law_refit,
 )
-from moelab.ladder.results import FINAL_LOSS, RunResult
+from moelab.ladder.results import METRICS, RunResult
 from moelab.ladder.spec import LadderSpec, Rung
 
 GRAD_NORM_LIMIT = 4.0  # the public record's long ladder runs passed it before logit z-loss
@@ -205,7 +205,7 @@ def forecast(spec: LadderSpec, results: list[RunResult],
     prediction = {"value": chosen["value"], "low": chosen["interval"]["low"],
                   "high": chosen["interval"]["high"], "confidence": options.confidence,
                   "method": chosen["interval"]["method"], "law": law,
-                  "at_bound": chosen["fit"].get("at_bound", []), "metric": FINAL_LOSS,
+                  "at_bound": chosen["fit"].get("at_bound", []), "metric": METRICS[options.metric],
                   "compute": tc}
     return {"prediction": prediction, "laws": laws, "points": rows, "noise": noise,
             "stability": _stability_forecast(spec, results),

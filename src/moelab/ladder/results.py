@@ -24,8 +24,13 @@ from moelab.train.rundir import CONFIG_FILE, METRICS_FILE
 
 FINAL_LOSS = ("cross-entropy (nats/token) of the final model over every window of the "
               "validation split, averaged over data sources with the training mixture's weights")
+FINAL_BPB = ("bits per byte of the final model over every window of the validation split "
+             "(tokenizer-independent), macro-averaged over data sources (each weighs the same)")
+# fit.metric -> what the ladder fits and predicts; "loss" is the default
+METRICS = {"loss": FINAL_LOSS, "bpb_macro": FINAL_BPB}
 TIMINGS_FILE = "timings.json"
 VAL_PREFIX = "val_loss/"
+BPB_PREFIX, BPB_MACRO = "val_bpb/", "val_bpb_macro"
 
 
 @dataclass(frozen=True)
@@ -39,8 +44,8 @@ class RunResult:
     total_params: int
     tokens: int
     compute: float
-    final_val_loss: float
-    val_loss: dict[str, float]  # per source, over the whole val split, at the last step
+    final_val_loss: float  # the spec's fit.metric: CE (default) or bpb_macro
+    val_loss: dict[str, float]  # the metric per source, over the whole val split, at the end
     curve: list[dict[str, float]] = field(default_factory=list)  # {step, loss} per eval
     stability: dict[str, float] = field(default_factory=dict)  # grad norm, logit z
 
@@ -102,19 +107,28 @@ def _stability(rung: Rung, records: list[dict]) -> dict[str, float]:
             "logit_z": float(np.median([r["logit_z"] for r in late]))}
 
 
-def result(rung: Rung, path: Path) -> RunResult:
-    """The finished run's losses on the whole val split (mixture-weighted over sources)."""
+def result(rung: Rung, path: Path, metric: str = "loss") -> RunResult:
+    """The finished run's scores on the whole val split: with metric "loss" the CE,
+    mixture-weighted over sources; with "bpb_macro" the bits per byte, macro-averaged."""
     records = metrics(path)
     meta = read_meta(rung.config.data.path)
     weights = dict(zip(meta["sources"], mixture_weights(meta, "train", rung.config.data.mixture),
                        strict=True))
     scored = [r for r in records if any(k.startswith(VAL_PREFIX) for k in r)]
+    if metric == "bpb_macro":
+        if not all(BPB_MACRO in r for r in scored):
+            raise UserError(f"{path}: fit.metric bpb_macro, but this run logged no "
+                            f"{BPB_MACRO} (trained before bpb existed, or its dataset has no "
+                            "tokenizer.json); retrain it or use fit.metric: loss")
+        score, prefix = (lambda r: float(r[BPB_MACRO])), BPB_PREFIX
+    else:
+        score, prefix = (lambda r: _weighted(r, weights)), VAL_PREFIX
     last = scored[-1]
-    curve = [{"step": r["step"], "loss": _weighted(r, weights)} for r in scored]
+    curve = [{"step": r["step"], "loss": score(r)} for r in scored]
     return RunResult(rung.name, rung.point or rung.name, rung.seed, rung.active_params,
                      rung.total_params, rung.tokens, rung.compute, curve[-1]["loss"],
-                     {k.removeprefix(VAL_PREFIX): float(v) for k, v in last.items()
-                      if k.startswith(VAL_PREFIX)},
+                     {k.removeprefix(prefix): float(v) for k, v in last.items()
+                      if k.startswith(prefix)},
                      curve, _stability(rung, records))
 
 

@@ -54,8 +54,8 @@ def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
     head = (f"[ladder {spec.name}] {label} {rung.name}: N_active={rung.active_params:,} "
             f"D={rung.tokens:,} C={rung.compute:.3g}")
     if is_finished(rung, path):
-        done = result(rung, path)
-        print(f"{head}: already trained, val_loss={done.final_val_loss:.4f}", flush=True)
+        done = result(rung, path, spec.fit.metric)
+        print(f"{head}: already trained, {spec.fit.metric}={done.final_val_loss:.4f}", flush=True)
         return done
     from moelab.ladder.evaluate import make_evaluator
     from moelab.train import trainer  # jax is imported only when something trains
@@ -69,8 +69,9 @@ def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
     trainer.train(rung.config, path, experiment, evaluator=make_evaluator(rung.config))
     elapsed = time.time() - started
     add_time(spec.out, rung.name, elapsed, time.process_time() - cpu)
-    done = result(rung, path)
-    print(f"{head}: done in {elapsed:.0f}s, val_loss={done.final_val_loss:.4f}", flush=True)
+    done = result(rung, path, spec.fit.metric)
+    print(f"{head}: done in {elapsed:.0f}s, {spec.fit.metric}={done.final_val_loss:.4f}",
+          flush=True)
     return done
 
 
@@ -200,8 +201,8 @@ def finished_rungs(spec: LadderSpec) -> tuple[list[RunResult], list[RunResult]]:
         raise UserError(f"runs not trained yet: {', '.join(missing)}; run `moelab ladder run`")
     for rung in runs:
         check_run_dir(rung, run_dir(spec, rung))
-    return ([result(r, run_dir(spec, r)) for r in spec.rungs],
-            [result(r, run_dir(spec, r)) for r in spec.lr_runs])
+    return ([result(r, run_dir(spec, r), spec.fit.metric) for r in spec.rungs],
+            [result(r, run_dir(spec, r), spec.fit.metric) for r in spec.lr_runs])
 
 
 def report_ladder(spec: LadderSpec) -> dict[str, Any]:
@@ -212,4 +213,4 @@ def report_ladder(spec: LadderSpec) -> dict[str, Any]:
     if not is_finished(spec.target, target_dir):
         raise UserError(f"the target has not finished training in {target_dir}; "
                         "run `moelab ladder run` to train it")
-    return write_report(spec, record, result(spec.target, target_dir))
+    return write_report(spec, record, result(spec.target, target_dir, spec.fit.metric))

@@ -56,6 +56,9 @@ class FitOptions:
     seed: int = 0  # of the bootstrap's resampling
     noise_sd: float | None = None  # per-run seed sd (nats) when the spec has no replicates
     law: str = "chinchilla"  # whose value is the prediction: chinchilla | compute | curve
+    # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
+    # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
+    metric: str = "loss"
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,8 @@ def _fit_options(raw: Any) -> FitOptions:
         raise ConfigError(f"fit.bootstrap: must be an integer >= 10, got {options.bootstrap!r}")
     if not 0 < options.confidence < 1:
         raise ConfigError(f"fit.confidence: must be in (0, 1), got {options.confidence!r}")
+    if options.metric not in ("loss", "bpb_macro"):
+        raise ConfigError(f"fit.metric: {options.metric!r} is not one of ['loss', 'bpb_macro']")
     laws = ("chinchilla", "compute", "curve")
     if options.law not in laws:
         raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")

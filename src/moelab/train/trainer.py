@@ -23,6 +23,7 @@ import numpy as np
 from moelab.config import Config, ConfigError, DataConfig, config_from_dict, config_to_dict
 from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
+from moelab.eval.bpb import domain_metrics, tokenizer_bytes
 from moelab.model import Transformer
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
@@ -88,8 +89,9 @@ class Parent:
     weights_only: bool = False  # fresh optimizer state (Delphi) instead of the parent's
 
 
-# model -> {"val_loss/<source>": loss}: replaces the sampled validation (the ladder's
-# whole-val-split score, so every run's curve is measured on the same text)
+# model -> {"val_loss/<source>": loss, "val_bpb/<source>": bpb, ...}: replaces the sampled
+# validation (the ladder's whole-val-split score, so every run's curve is measured on the
+# same text)
 Evaluator = Callable[[object], dict[str, float]]
 
 
@@ -112,6 +114,7 @@ class Trainer:
         # val keeps the run's seq_len and batch in every stage: one yardstick for the curve
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
+        self.token_bytes = tokenizer_bytes(data_dir)  # None: a dataset without a tokenizer
         initialize_distributed(cfg.distributed)  # before any device is touched; no-op on 1 host
         for stage in self.plan.stages:  # before allocating: a clear error, not an XLA OOM
             try:
@@ -252,12 +255,16 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if self.evaluator is not None:
             return self.evaluator(self.model)
-        out = {}
+        nll, tokens, n_bytes = {}, {}, {}
         for source, loader in self.val.items():
-            losses = [float(self.eval_step(self.model, self._on_mesh(loader.batch(i))))
-                      for i in range(self.cfg.train.eval_batches)]
-            out[f"val_loss/{source}"] = float(np.mean(losses))
-        return out
+            batches = [loader.batch(i) for i in range(self.cfg.train.eval_batches)]
+            # eval_step is the mean CE of a batch; every batch has B*S targets
+            nll[source] = sum(float(self.eval_step(self.model, self._on_mesh(b))) * b[:, 1:].size
+                              for b in batches)
+            tokens[source] = sum(b[:, 1:].size for b in batches)
+            if self.token_bytes is not None:
+                n_bytes[source] = sum(int(self.token_bytes[b[:, 1:]].sum()) for b in batches)
+        return domain_metrics(nll, tokens, n_bytes if self.token_bytes is not None else None)
 
     def _on_mesh(self, batch: np.ndarray):
         return jax.device_put(batch, batch_sharding(self.mesh))

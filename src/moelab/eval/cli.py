@@ -1,0 +1,145 @@
+"""`moelab eval`: evaluate a run's latest checkpoint.
+
+    moelab eval tasks RUN_DIR [--tasks cont_code,cont_prose]   lm-evaluation-harness tasks
+    moelab eval bpb RUN_DIR                                   bits per byte per domain
+
+Results go to RUN_DIR/eval/ and, with --experiment, to the lab (plotted over training when
+several checkpoints are evaluated). JAX and the harness are imported inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("eval", help="evaluate a run: held-out tasks, bits per byte")
+    actions = p.add_subparsers(dest="action", required=True)
+    tasks = actions.add_parser(
+        "tasks", help="multiple-choice tasks (ranked classification) through "
+        "lm-evaluation-harness: acc, acc_norm with standard errors")
+    tasks.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    tasks.add_argument("--tasks", default="",
+                       help="comma-separated: local cont_<domain> tasks built from held-out "
+                            "data (default: all of them), or the harness's own (e.g. "
+                            "hellaswag, where its dataset is available)")
+    tasks.add_argument("--items", type=int, default=200, help="items per local task")
+    tasks.add_argument("--seed", type=int, default=0, help="draws the local tasks' items")
+    tasks.add_argument("--tokenizer", type=Path,
+                       help="tokenizer.json to use (default: the run's dataset's)")
+    _common(tasks)
+    tasks.set_defaults(func=_tasks)
+    bpb = actions.add_parser("bpb", help="bits per byte (and loss) per held-out domain over "
+                             "the whole val split, with the macro average")
+    bpb.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    _common(bpb)
+    bpb.set_defaults(func=_bpb)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, help="results directory (default RUN_DIR/eval)")
+    p.add_argument("--experiment", help="also log the results to this lab experiment, at the "
+                   "checkpoint's step")
+
+
+def _load(run_dir: Path):
+    from moelab.errors import UserError
+    from moelab.train.checkpoint import load_latest
+
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a run directory; pass the run dir of a training run")
+    return load_latest(run_dir)
+
+
+def _tokenizer(cfg, path: Path | None):
+    """The tokenizer to score with, refused (one line) if it is not the one the run's
+    tokens were made with."""
+    from tokenizers import Tokenizer
+
+    from moelab.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+    from moelab.errors import UserError
+
+    data = load_tokenizer(cfg.data.path)
+    tokenizer = data if path is None else Tokenizer.from_file(str(path))
+    if tokenizer.get_vocab_size() > cfg.model.vocab_size or (
+            path is not None and tokenizer.get_vocab() != data.get_vocab()):
+        where = path or Path(cfg.data.path) / TOKENIZER_FILE
+        raise UserError(f"tokenizer mismatch: {where} ({tokenizer.get_vocab_size()} tokens) is "
+                        f"not the tokenizer of {cfg.data.path} that the model (vocab_size "
+                        f"{cfg.model.vocab_size}) was trained with")
+    return tokenizer
+
+
+def _write(out: Path, name: str, record: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    with open(out / "evals.jsonl", "a") as f:  # every eval of this run, in order
+        f.write(json.dumps(record) + "\n")
+    return path
+
+
+def _to_lab(experiment: str | None, run_dir: Path, cfg, step: int,
+            metrics: dict[str, float]) -> None:
+    """Log to the lab run of this run dir (a new run of the experiment if it has none)."""
+    if not experiment:
+        return
+    from moelab.config import config_to_dict
+    from moelab.lab.store import Store, default_lab_path
+
+    with Store(default_lab_path()) as store:
+        store.get_experiment(experiment)  # a UserError naming it if unknown
+        run_id = next((r.id for r in store.runs(experiment)
+                       if Path(r.run_dir).resolve() == run_dir.resolve()), None)
+        if run_id is None:
+            run_id = store.start_run(experiment, str(run_dir), config_to_dict(cfg))
+            store.finish_run(run_id, "succeeded", "evaluation of a checkpoint")
+        store.log_metrics(run_id, step, metrics)
+    print(f"logged to lab experiment {experiment}, run {run_id}, step {step}")
+
+
+def _tasks(args: argparse.Namespace) -> None:
+    from moelab.errors import UserError
+    from moelab.eval import harness
+    from moelab.eval.tasks import PREFIX, task_names
+
+    if args.items < 1:
+        raise UserError(f"--items must be >= 1, got {args.items}")
+    model, cfg, step = _load(args.run_dir)
+    available = task_names(cfg.data.path)
+    names = [n.strip() for n in args.tasks.split(",") if n.strip()] or available
+    unknown = [n for n in names if n.startswith(PREFIX) and n not in available]
+    if unknown:  # before the harness indexes its own tasks (seconds)
+        raise UserError(f"unknown local task(s) {unknown}; this run's dataset has {available}")
+    tokenizer = _tokenizer(cfg, args.tokenizer)
+    out = args.out or args.run_dir / "eval"
+    scores = harness.score_tasks(model, cfg, tokenizer, names, out / "tasks", args.items,
+                                 args.seed)
+    record = {"run_dir": str(args.run_dir), "step": step, "kind": "tasks", "seed": args.seed,
+              "items": args.items, "scores": scores}
+    path = _write(out, f"tasks-step{step}.json", record)
+    print(f"step {step} of {args.run_dir} (chance 0.25 for the local 4-way tasks):")
+    for name, s in scores.items():
+        gold = f"   gold bpb {s['gold_bpb']:.3f}" if "gold_bpb" in s else ""
+        print(f"  {name:<16} acc {s['acc']:.3f} +- {s['acc_stderr']:.3f}   acc_norm "
+              f"{s['acc_norm']:.3f} +- {s['acc_norm_stderr']:.3f}   n={s['n']}{gold}")
+    print(f"wrote {path}")
+    _to_lab(args.experiment, args.run_dir, cfg, step, harness.lab_metrics(scores))
+
+
+def _bpb(args: argparse.Namespace) -> None:
+    from moelab.eval.bpb import whole_split_evaluator
+
+    model, cfg, step = _load(args.run_dir)
+    _tokenizer(cfg, None)
+    metrics = whole_split_evaluator(cfg.data.path, cfg.data.seq_len, cfg.train.dtype)(model)
+    path = _write(args.out or args.run_dir / "eval", f"bpb-step{step}.json",
+                  {"run_dir": str(args.run_dir), "step": step, "kind": "bpb",
+                   "metrics": metrics})
+    print(f"step {step} of {args.run_dir}, whole held-out split:")
+    for key, value in metrics.items():
+        print(f"  {key:<22} {value:.4f}")
+    print(f"wrote {path}")
+    _to_lab(args.experiment, args.run_dir, cfg, step, metrics)
