@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -108,11 +109,36 @@ class LossConfig:
 class DataConfig:
     """Where the prepared shards are and how batches are drawn from them."""
 
-    path: str = "runs/data/default"  # a directory written by `moelab data prepare`
+    # a directory written by `moelab data prepare`; a relative path lives under
+    # $MOELAB_HOME (see data_dir), "./" or "../" makes it the working directory's
+    path: str = "runs/data/default"
     seq_len: int = 128
     batch_size: int = 8  # sequences per optimizer step (before accumulation splits it)
     mixture: dict[str, float] = field(default_factory=dict)  # source -> weight; {} = by size
     seed: int = 0
+
+
+HOME_ENV = "MOELAB_HOME"
+
+
+def moelab_home() -> Path:
+    """$MOELAB_HOME, else ~/.cache/moelab (XDG_CACHE_HOME if set): one place per user for
+    prepared data, so `moelab train` from any directory finds the same corpus."""
+    if home := os.environ.get(HOME_ENV):
+        return Path(home).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelab"
+
+
+def data_dir(path: str) -> Path:
+    """The directory `data.path` names. Absolute: as given. Starting with "./" or "../":
+    relative to the working directory (an explicit choice). Any other relative path:
+    under moelab_home(), so the same config never prepares a second copy of a corpus
+    because it was started from another directory."""
+    if Path(path).expanduser().is_absolute():
+        return Path(path).expanduser()
+    if path.startswith(("./", "../")) or path in (".", ".."):
+        return Path(path)
+    return moelab_home() / path
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def _load(run_dir: Path):
     return load_latest(run_dir)
 
 
-def _tokenizer_or_none(data_path: str):
+def _tokenizer_or_none(data_path: Path):
     """The run's tokenizer, or None (with a note) when its data directory is gone."""
     from moelab.data.tokenizer import load_tokenizer
     from moelab.errors import UserError
@@ -56,6 +56,7 @@ def _tokenizer_or_none(data_path: str):
 
 
 def _export(args: argparse.Namespace) -> None:
+    from moelab.config import data_dir
     from moelab.export.hf import check_exportable, export_hf
 
     model, cfg, step = _load(args.run_dir)
@@ -64,11 +65,12 @@ def _export(args: argparse.Namespace) -> None:
         print(f"note: trained with moe.dispatch={cfg.moe.dispatch}; the export (like "
               "`moelab generate`) computes every expert assignment, dropping none",
               file=sys.stderr)
-    out = export_hf(model, cfg, args.out, _tokenizer_or_none(cfg.data.path))
+    out = export_hf(model, cfg, args.out, _tokenizer_or_none(data_dir(cfg.data.path)))
     print(f"exported step {step} of {args.run_dir} to {out}")
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from moelab.config import data_dir
     from moelab.data.tokenizer import load_tokenizer
     from moelab.errors import UserError
     from moelab.export.generate import check_sampling, generate_text
@@ -77,6 +79,6 @@ def _generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     model, cfg, _ = _load(args.run_dir)
-    tokenizer = load_tokenizer(cfg.data.path)
+    tokenizer = load_tokenizer(data_dir(cfg.data.path))
     print(args.prompt + generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
                                       args.temperature, args.top_p, args.seed))

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from moelab.config import Config
+from moelab.config import Config, data_dir
 from moelab.data.loader import read_meta
 from moelab.data.shards import shard_path
 
@@ -68,8 +68,8 @@ def _row_losses(dtype_name: str) -> Callable[[Any, np.ndarray], Any]:
 
 def make_evaluator(cfg: Config) -> Callable[[Any], dict[str, float]]:
     """model -> {"val_loss/<source>": mean CE over every val window of that source}."""
-    sources = read_meta(cfg.data.path)["sources"]
-    rows = {s: windows(cfg.data.path, s, cfg.data.seq_len) for s in sources}
+    sources = read_meta(data_dir(cfg.data.path))["sources"]
+    rows = {s: windows(data_dir(cfg.data.path), s, cfg.data.seq_len) for s in sources}
     rows = {s: r for s, r in rows.items() if len(r)}
     row_losses = row_losses_fn(cfg)
 

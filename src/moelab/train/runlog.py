@@ -50,25 +50,13 @@ class RunLog:
             self.run_id = json.loads(marker.read_text())["run_id"]
             return
         changes = ({} if snapshot_change is None else
-                   self._differs_from_snapshot(experiment, config, snapshot_change))
+                   snapshot_changes(self.store, experiment, config, snapshot_change))
         self.run_id = self.store.start_run(experiment, str(run_dir), config)
         marker.write_text(json.dumps({"run_id": self.run_id, "experiment": experiment}))
         if changes:
             changed = {k: {"old": a, "new": b} for k, (a, b) in changes.items()}
             self.event(0, "config_change", f"run config differs from experiment {experiment}'s "
                        f"snapshot: {json.dumps(changed)}")
-
-    def _differs_from_snapshot(self, experiment: str, config: dict, allow_change: bool) -> dict:
-        """The open-lab rule: a run attached to an experiment runs the config on record."""
-        snapshot = config_to_dict(config_from_dict(self.store.get_experiment(experiment).config))
-        changes = config_changes(snapshot, config)
-        if changes and not allow_change:
-            listed = "; ".join(f"{k}: experiment {a!r}, run {b!r}" for k, (a, b) in
-                               changes.items())
-            raise ConfigError(f"the config differs from experiment {experiment}'s snapshot "
-                              f"({listed}); run its config, or pass --allow-config-change to "
-                              "record the change")
-        return changes
 
     def step(self, step: int, record: dict) -> None:
         self.metrics.write({"step": step, **record})
@@ -92,3 +80,28 @@ class RunLog:
     def rewind_to(self, step: int) -> None:
         """Forget metrics of steps after `step`: they are about to be recomputed."""
         self.metrics.truncate_after(step)
+
+
+def snapshot_changes(store, experiment: str, config: dict, allow_change: bool) -> dict:
+    """The open-lab rule: a run attached to an experiment runs the config on record.
+    Returns the differences (accepted only with `allow_change`)."""
+    snapshot = config_to_dict(config_from_dict(store.get_experiment(experiment).config))
+    changes = config_changes(snapshot, config)
+    if changes and not allow_change:
+        listed = "; ".join(f"{k}: experiment {a!r}, run {b!r}" for k, (a, b) in
+                           changes.items())
+        raise ConfigError(f"the config differs from experiment {experiment}'s snapshot "
+                          f"({listed}); run its config, or pass --allow-config-change to "
+                          "record the change")
+    return changes
+
+
+def check_snapshot(run_dir: Path, experiment: str, config: dict, allow_change: bool) -> None:
+    """`snapshot_changes` before a start creates anything (read-only; a run dir already
+    attached to the lab is not checked again, as RunLog does not)."""
+    from moelab.lab.store import Store, default_lab_path
+
+    if (Path(run_dir) / LAB_RUN_FILE).exists():
+        return
+    with Store(default_lab_path(), mode="ro") as store:
+        snapshot_changes(store, experiment, config, allow_change)

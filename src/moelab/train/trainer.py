@@ -19,19 +19,19 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from moelab.config import Config, ConfigError, DataConfig, config_to_dict
+from moelab.config import Config, ConfigError, DataConfig, config_to_dict, data_dir
 from moelab.data.loader import Loader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.model import Transformer
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train.checkpoint import Checkpointer
-from moelab.train.interrupt import StopRequest
+from moelab.train.interrupt import StopRequest, stop_at_once
 from moelab.train.memory import check_fits
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import lr_schedule, make_optimizer, trainable
 from moelab.train.rundir import RunDirLock, check_identity, save_config
-from moelab.train.runlog import RunLog
+from moelab.train.runlog import RunLog, check_snapshot
 from moelab.train.spikes import SpikeDetector
 from moelab.train.step import make_eval_step, make_train_step
 
@@ -39,13 +39,22 @@ FAULT_ENV = "MOELAB_FAULT_AT_STEP"  # test hook: SIGKILL this process when reach
 
 
 def prepared_data(cfg: Config) -> Path:
-    """The dataset directory, preparing the built-in default corpus on first use."""
-    path = Path(cfg.data.path)
+    """The dataset directory (`config.data_dir`), preparing the built-in default corpus on
+    first use. A stop there (SIGINT/SIGTERM) ends at once with `Interrupted`: there is no
+    step to finish, and a rerun resumes the preparation where it stopped."""
+    path = data_dir(cfg.data.path)
     if not (path / "meta.json").exists() and cfg.data.path == DataConfig().path:
         from moelab.data.prepare import ensure_default_corpus
 
-        print(f"preparing the default corpus at {path} (once)")
-        ensure_default_corpus(path)
+        print(f"preparing the default corpus at {path} (once)", flush=True)
+        try:
+            with stop_at_once():
+                ensure_default_corpus(path)
+        except KeyboardInterrupt:
+            raise Interrupted(None, f"interrupted while preparing the corpus at {path}; "
+                              "rerun the same command to resume it") from None
+        print(f"corpus ready: {path}, content sha256 "
+              f"{read_meta(path).get('content_sha256', 'unknown')}", flush=True)
     meta = read_meta(path)
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
@@ -262,9 +271,17 @@ def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
     experiment holds many rungs' configs, so it does not ask for this). `evaluator`
     replaces the sampled validation (the ladder scores the whole val split).
     """
+    run_dir = Path(run_dir)
     try:
-        with RunDirLock(Path(run_dir)), StopRequest() as stop:
-            return Trainer(cfg, Path(run_dir), experiment, allow_config_change, stop,
+        # Refusals first, before the run dir, its lock or the corpus exist: a refused
+        # start leaves nothing behind. The corpus is prepared outside StopRequest, whose
+        # "finish this step" has no step to finish there.
+        check_identity(run_dir, cfg, allow_config_change)
+        if experiment and match_experiment:
+            check_snapshot(run_dir, experiment, config_to_dict(cfg), allow_config_change)
+        prepared_data(cfg)
+        with RunDirLock(run_dir), StopRequest() as stop:
+            return Trainer(cfg, run_dir, experiment, allow_config_change, stop,
                            match_experiment, evaluator).run()
     except FileNotFoundError as err:
         raise UserError(str(err)) from err
