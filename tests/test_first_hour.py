@@ -3,6 +3,7 @@ default corpus, and carrying a finished run into the lab and its published site.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,3 +54,68 @@ def test_ctrl_c_while_preparing_the_corpus_exits_at_once_and_resumes(tmp_path):
     meta = json.loads((corpus / "meta.json").read_text())
     assert f"content sha256 {meta['content_sha256']}" in rerun.stdout
     assert "done: step 4" in rerun.stdout
+
+
+def test_a_finished_run_attached_later_shows_its_metrics_in_the_store_and_site(
+        write_config, tmp_path, monkeypatch, capsys):
+    """Train without --experiment, then `lab attach`: the run's metrics and events are in
+    the store and on the published site, as if it had been attached from the start."""
+    from moelab import cli
+    from moelab.lab.store import Store
+
+    lab, run_dir = tmp_path / "lab.sqlite", tmp_path / "run"
+    monkeypatch.setenv("MOELAB_LAB", str(lab))
+    monkeypatch.chdir(tmp_path)
+    config = write_config(train={"steps": 8, "log_every": 4, "eval_every": 4,
+                                 "checkpoint_every": 4})
+    assert cli.main(["train", "--config", str(config), "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"moelab lab attach {run_dir} --experiment ID" in out  # the next commands
+    assert f"moelab export --run-dir {run_dir}" in out
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    assert cli.main(["lab", "new", "first", "--hypothesis", "it learns", "--config",
+                     str(config)]) == 0
+    exp_id = capsys.readouterr().out.strip()
+    assert cli.main(["lab", "attach", str(run_dir), "--experiment", exp_id]) == 0
+    assert "8 steps imported, finished at step 8" in capsys.readouterr().out
+    with Store(lab, mode="ro") as store:
+        (run,) = store.runs(exp_id)
+        assert run.status == "succeeded" and run.run_dir == str(run_dir)
+        assert store.metrics(run.id, "loss") == [(r["step"], r["loss"]) for r in logged]
+        assert store.latest(run.id)["val_loss/code"][0] == 8
+    assert cli.main(["lab", "attach", str(run_dir), "--experiment", exp_id]) == 2  # once
+    assert "already attached" in capsys.readouterr().err
+
+    assert cli.main(["lab", "publish", str(tmp_path / "site")]) == 0
+    assert "wrote 4 pages" in capsys.readouterr().out  # index, findings, experiment, compare
+    page = (tmp_path / "site" / "experiments" / f"{exp_id}.html").read_text()
+    assert f"<td>{run.id}</td><td>succeeded</td><td>8</td><td>{logged[-1]['loss']:.4g}" in page
+
+    # the same through `moelab train --experiment` on a finished run (a copy, not attached)
+    other_dir = tmp_path / "other"
+    shutil.copytree(run_dir, other_dir)
+    (other_dir / "lab_run.json").unlink()
+    assert cli.main(["lab", "new", "again", "--hypothesis", "h", "--config", str(config)]) == 0
+    second = capsys.readouterr().out.strip()
+    for _ in range(2):  # and a second time: the run has ended already, nothing to record
+        assert cli.main(["train", "--config", str(config), "--run-dir", str(other_dir),
+                         "--experiment", second]) == 0
+    with Store(lab, mode="ro") as store:
+        (run2,) = store.runs(second)
+        assert run2.status == "succeeded"
+        assert store.metrics(run2.id, "loss") == [(r["step"], r["loss"]) for r in logged]
+
+
+def test_a_refused_report_leaves_no_empty_static_folder(tmp_path, monkeypatch, capsys):
+    """Without plotly (the lab extra) `lab report` refuses in one line and writes nothing."""
+    from moelab import cli
+
+    monkeypatch.setitem(sys.modules, "plotly", None)  # as if the lab extra were missing
+    lab = str(tmp_path / "lab.sqlite")
+    assert cli.main(["lab", "--lab", lab, "new", "q", "--hypothesis", "h", "--config",
+                     "tiny"]) == 0
+    out = tmp_path / "report"
+    assert cli.main(["lab", "--lab", lab, "report", "exp-1", "--out", str(out)]) == 2
+    assert "pip install 'moelab[lab]'" in capsys.readouterr().err
+    assert not out.exists()
