@@ -119,3 +119,25 @@ def test_a_refused_report_leaves_no_empty_static_folder(tmp_path, monkeypatch, c
     assert cli.main(["lab", "--lab", lab, "report", "exp-1", "--out", str(out)]) == 2
     assert "pip install 'moelab[lab]'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_misspelled_names_get_the_presets_and_the_nearest_name(capsys):
+    from moelab import cli
+
+    for argv, hint in [(["train", "--config", "Tiny"], "did you mean 'tiny'?"),
+                       (["train", "--config", "small.yaml"], "did you mean 'small'?"),
+                       (["lab", "new", "x", "--hypothesis", "h", "--config", "Small"],
+                        "did you mean 'small'?"),
+                       (["ladder", "plan", "defualt"], "did you mean 'default'?"),
+                       (["train", "--set", "trian.steps=5"],
+                        "unknown section(s) ['trian'] (did you mean 'train'?)"),
+                       (["train", "--set", "train.stpes=5"],
+                        "train: unknown key(s) ['stpes'] (did you mean 'steps'?)")]:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert hint in err and len(err.strip().splitlines()) == 1, err
+        assert "error: :" not in err
+    assert "presets: tiny, small" in (cli.main(["train", "--config", "nope.yaml"]),
+                                      capsys.readouterr().err)[1]
+    assert cli.main(["ladder", "plan", "default"]) == 0  # the README's preset, by name
+    assert capsys.readouterr().out.startswith("ladder default -> runs/ladder/default")

@@ -43,9 +43,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_path(name: str) -> Path:
-    if name in PRESETS:
-        return Path(str(resources.files("moelab") / "presets" / f"{name}.yaml"))
-    return Path(name)
+    """A preset's YAML (shipped inside the package) or a config file path."""
+    from moelab.config import preset_or_file
+
+    presets = {p: Path(str(resources.files("moelab") / "presets" / f"{p}.yaml"))
+               for p in PRESETS}
+    return preset_or_file(name, presets, "config")
 
 
 def parse_overrides(items: list[str]) -> dict:
