@@ -141,3 +141,25 @@ def test_misspelled_names_get_the_presets_and_the_nearest_name(capsys):
                                       capsys.readouterr().err)[1]
     assert cli.main(["ladder", "plan", "default"]) == 0  # the README's preset, by name
     assert capsys.readouterr().out.startswith("ladder default -> runs/ladder/default")
+
+
+def test_every_option_of_every_command_has_help_with_its_default():
+    import argparse
+
+    from moelab import cli
+
+    def options(parser: argparse.ArgumentParser, name: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    yield from options(subparser, f"{name} {sub}")
+            elif action.dest != "help":
+                yield name, action, parser
+
+    for name, action, _ in options(cli.build_parser(), "moelab"):
+        assert action.help, f"{name} {action.dest} has no help"
+    generate = next(p for n, _, p in options(cli.build_parser(), "moelab")
+                    if n == "moelab generate")
+    text = " ".join(generate.format_help().split())
+    for default in ("(default: 64)", "(default: 0.8)", "(default: 0.95)", "(default: 0)"):
+        assert default in text

@@ -21,11 +21,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     gen = subparsers.add_parser("generate", help="sample text from a run's latest checkpoint")
     gen.add_argument("--run-dir", required=True, type=Path, help="a training run directory")
-    gen.add_argument("--prompt", default="", help="text to continue ('' = a new document)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--prompt", default="",
+                     help="text to continue (default: '', a new document)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample")
+    gen.add_argument("--temperature", type=float, default=0.8,
+                     help="softmax temperature; 0 = greedy")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus mass to sample from")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
     gen.set_defaults(func=_generate)
 
 

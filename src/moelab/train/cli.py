@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions = ckpt.add_subparsers(dest="action", required=True)
     verify = actions.add_parser("verify", help="list each checkpoint as good or bad (exit 1 "
                                 "if any is bad)")
-    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
     verify.set_defaults(func=verify_checkpoints)
 
 
