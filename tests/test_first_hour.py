@@ -3,6 +3,7 @@ default corpus, and carrying a finished run into the lab and its published site.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -72,6 +73,7 @@ def test_a_finished_run_attached_later_shows_its_metrics_in_the_store_and_site(
     out = capsys.readouterr().out
     assert f"moelab lab attach {run_dir} --experiment ID" in out  # the next commands
     assert f"moelab export --run-dir {run_dir}" in out
+    assert re.search(r"step 8/8 loss=\S+ .* eta=0s val code=\d\.\d+ prose=\d\.\d+", out), out
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     assert cli.main(["lab", "new", "first", "--hypothesis", "it learns", "--config",
@@ -163,3 +165,38 @@ def test_every_option_of_every_command_has_help_with_its_default():
     text = " ".join(generate.format_help().split())
     for default in ("(default: 64)", "(default: 0.8)", "(default: 0.95)", "(default: 0)"):
         assert default in text
+
+
+def test_a_refused_start_leaves_nothing_behind(write_config, tmp_path, monkeypatch, capsys):
+    """Refusals come before the run dir, its lock and its checkpoints exist: a run dir of
+    another config stays as it was, and a fresh one is not created."""
+    from moelab import cli
+    from moelab.config import load_config
+    from moelab.train.rundir import save_config
+
+    monkeypatch.setenv("MOELAB_LAB", str(tmp_path / "lab.sqlite"))
+    config, other = write_config(), write_config(train={"steps": 13})
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    save_config(existing, load_config(other), 0, False)
+    before = sorted(p.name for p in existing.iterdir())
+    assert cli.main(["train", "--config", str(config), "--run-dir", str(existing)]) == 2
+    assert "train.steps: run 13, now 12" in capsys.readouterr().err
+    assert sorted(p.name for p in existing.iterdir()) == before  # no lock, no checkpoints
+
+    assert cli.main(["lab", "new", "q", "--hypothesis", "h", "--config", str(other)]) == 0
+    capsys.readouterr()
+    fresh = tmp_path / "fresh"
+    assert cli.main(["train", "--config", str(config), "--run-dir", str(fresh),
+                     "--experiment", "exp-1"]) == 2
+    assert "differs from experiment exp-1's snapshot" in capsys.readouterr().err
+    assert not fresh.exists()
+    # checks that need the corpus (vocabulary) or the run dir's lock (memory) first
+    small = write_config(model={"vocab_size": 300})
+    assert cli.main(["train", "--config", str(small), "--run-dir", str(fresh)]) == 2
+    assert "model.vocab_size" in capsys.readouterr().err
+    assert not fresh.exists()
+    huge = write_config(moe={"n_experts": 3_000_000})  # ~300 GB of params and AdamW state
+    assert cli.main(["train", "--config", str(huge), "--run-dir", str(fresh)]) == 2
+    assert "GiB per device" in capsys.readouterr().err
+    assert not fresh.exists()

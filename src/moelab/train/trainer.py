@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -30,7 +31,13 @@ from moelab.train.interrupt import StopRequest, stop_at_once
 from moelab.train.memory import check_fits
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import lr_schedule, make_optimizer, trainable
-from moelab.train.rundir import RunDirLock, check_identity, save_config
+from moelab.train.rundir import (
+    CHECKPOINT_DIR,
+    METRICS_FILE,
+    RunDirLock,
+    check_identity,
+    save_config,
+)
 from moelab.train.runlog import RunLog, check_snapshot
 from moelab.train.spikes import SpikeDetector
 from moelab.train.step import make_eval_step, make_train_step
@@ -175,7 +182,8 @@ class Trainer:
         waits for logging. Eval, checkpoint, progress and stop-request steps sync first:
         nothing is saved before its step's loss and gradient norm are checked finite."""
         t = self.cfg.train
-        started, first, record = time.time(), self.step, self.log.last_record(self.step)
+        record = self.log.last_record(self.step)
+        rate_from = None  # (time, step) once the first step is compiled: the ETA's origin
         self._maybe_stop()
         self._last_done = time.time()
         pending = None  # (step, device-side metrics) queued but not fetched yet
@@ -184,6 +192,8 @@ class Trainer:
             batch = self._on_mesh(next(self.loader))
             self.model, self.opt_state, parts = self.train_step(self.model, self.opt_state, batch)
             self.step += 1
+            if rate_from is None:  # the call returns once compiled (seconds on CPU)
+                rate_from = (time.time(), self.step)
             if pending is not None:
                 self._complete(*pending)
             pending = (self.step, parts)
@@ -195,7 +205,7 @@ class Trainer:
                 if boundary[1] or boundary[3]:
                     self.save()
                 if boundary[2] or boundary[3]:
-                    self._print_progress(record, started, first)
+                    self._print_progress(record, *rate_from)
                 self._maybe_stop()
                 self._last_done = time.time()  # the next step's time excludes this work
         if pending is not None:
@@ -250,14 +260,16 @@ class Trainer:
         if os.environ.get(FAULT_ENV) == str(self.step):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _print_progress(self, record: dict, started: float, first: int) -> None:
-        per_step = (time.time() - started) / max(self.step - first, 1)
+    def _print_progress(self, record: dict, since: float, first: int) -> None:
+        """One line per log step. The ETA's rate counts from the first compiled step
+        (`since`, `first`): with the compile in it, the first ETA was 3x the real time."""
+        per_step = (time.time() - since) / max(self.step - first, 1)
         eta = per_step * (self.cfg.train.steps - self.step)
         vals = " ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in record.items()
                         if k.startswith("val_loss/"))
         print(f"step {self.step}/{self.cfg.train.steps} loss={record['loss']:.4f} "
               f"grad_norm={record['grad_norm']:.3f} tok/s={record['tokens_per_s']:.0f} "
-              f"eta={eta:.0f}s {vals}".rstrip(), flush=True)
+              f"eta={eta:.0f}s" + (f" val {vals}" if vals else ""), flush=True)
 
 
 def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
@@ -272,6 +284,7 @@ def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
     replaces the sampled validation (the ladder scores the whole val split).
     """
     run_dir = Path(run_dir)
+    fresh = not run_dir.exists()
     try:
         # Refusals first, before the run dir, its lock or the corpus exist: a refused
         # start leaves nothing behind. The corpus is prepared outside StopRequest, whose
@@ -283,5 +296,18 @@ def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
         with RunDirLock(run_dir), StopRequest() as stop:
             return Trainer(cfg, run_dir, experiment, allow_config_change, stop,
                            match_experiment, evaluator).run()
-    except FileNotFoundError as err:
+    except (UserError, FileNotFoundError) as err:
+        if fresh and not _has_trained(run_dir):
+            # refused by a later check (memory, mesh): the start created the run dir,
+            # so nothing in it is anyone else's and nothing of the run is lost
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(err, UserError):
+            raise
         raise UserError(str(err)) from err
+
+
+def _has_trained(run_dir: Path) -> bool:
+    """Whether the run dir holds anything of a run: a checkpoint or a logged step."""
+    metrics = run_dir / METRICS_FILE
+    return any(run_dir.glob(f"{CHECKPOINT_DIR}/*")) or (metrics.is_file()
+                                                        and metrics.stat().st_size > 0)
