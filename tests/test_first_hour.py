@@ -55,6 +55,7 @@ def test_ctrl_c_while_preparing_the_corpus_exits_at_once_and_resumes(tmp_path):
     meta = json.loads((corpus / "meta.json").read_text())
     assert f"content sha256 {meta['content_sha256']}" in rerun.stdout
     assert "done: step 4" in rerun.stdout
+    assert "\n\n" not in rerun.stdout + rerun.stderr  # no blank lines from the tokenizer
 
 
 def test_a_finished_run_attached_later_shows_its_metrics_in_the_store_and_site(

@@ -52,6 +52,10 @@ class StopRequest:
 
 
 def _raise_interrupt(signum: int, frame) -> None:
+    # Once: a second signal (Ctrl-C pressed twice, or the supervisor forwarding the one
+    # its worker already got from the terminal) must not interrupt the unwinding.
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
