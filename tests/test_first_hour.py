@@ -201,3 +201,14 @@ def test_a_refused_start_leaves_nothing_behind(write_config, tmp_path, monkeypat
     assert cli.main(["train", "--config", str(huge), "--run-dir", str(fresh)]) == 2
     assert "GiB per device" in capsys.readouterr().err
     assert not fresh.exists()
+
+
+def test_the_corpus_content_hash_covers_every_input_file(small_corpus):
+    from moelab.data.loader import read_meta
+    from moelab.data.provenance import content_sha256, read_manifest
+
+    records = list(read_manifest(small_corpus))
+    assert read_meta(small_corpus)["content_sha256"] == content_sha256(records)
+    changed = [dict(r) for r in records]
+    changed[3]["sha256"] = "0" * 64  # one input file edited (a package upgraded, say)
+    assert content_sha256(changed) != content_sha256(records)
