@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import COMPILE_CACHE
 
 SHORT = ["--set", "train.steps=4", "--set", "train.log_every=2"]
@@ -214,3 +215,20 @@ def test_the_corpus_content_hash_covers_every_input_file(small_corpus):
     changed = [dict(r) for r in records]
     changed[3]["sha256"] = "0" * 64  # one input file edited (a package upgraded, say)
     assert content_sha256(changed) != content_sha256(records)
+
+
+def test_a_relative_data_path_lives_under_moelab_home(small_corpus, tmp_path, monkeypatch):
+    """One place for data: not the working directory, unless the path says ./ ."""
+    from moelab.config import ConfigError, data_dir, load_config
+    from moelab.train.trainer import prepared_data
+
+    monkeypatch.setenv("MOELAB_HOME", str(tmp_path / "home"))
+    assert data_dir("runs/data/default") == tmp_path / "home" / "runs" / "data" / "default"
+    assert data_dir("./mine") == Path("mine") and data_dir(str(tmp_path)) == tmp_path
+    monkeypatch.chdir(small_corpus.parent)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data: {{path: {small_corpus.name}}}\nmodel: {{vocab_size: 512}}\n")
+    with pytest.raises(ConfigError, match=f"write data.path: ./{small_corpus.name}"):
+        prepared_data(load_config(config))
+    config.write_text(f"data: {{path: ./{small_corpus.name}}}\nmodel: {{vocab_size: 512}}\n")
+    assert prepared_data(load_config(config)) == Path(small_corpus.name)

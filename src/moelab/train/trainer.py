@@ -62,6 +62,11 @@ def prepared_data(cfg: Config) -> Path:
                               "rerun the same command to resume it") from None
         print(f"corpus ready: {path}, content sha256 "
               f"{read_meta(path).get('content_sha256', 'unknown')}", flush=True)
+    here = Path(cfg.data.path)
+    if not (path / "meta.json").exists() and (here / "meta.json").exists() and here != path:
+        raise ConfigError(f"data.path: {cfg.data.path!r} means {path} (relative paths live "
+                          f"under $MOELAB_HOME), which holds no dataset; for the one in the "
+                          f"working directory write data.path: ./{cfg.data.path}")
     meta = read_meta(path)
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
