@@ -80,8 +80,10 @@ def test_a_finished_run_attached_later_shows_its_metrics_in_the_store_and_site(
     assert re.search(r"step 8/8 loss=\S+ .* eta=0s val code=\d\.\d+ prose=\d\.\d+", out), out
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
+    # as the printed next commands say: the experiment takes the run's own config
+    assert f"--config {run_dir / 'config.yaml'}" in out
     assert cli.main(["lab", "new", "first", "--hypothesis", "it learns", "--config",
-                     str(config)]) == 0
+                     str(run_dir / "config.yaml")]) == 0
     exp_id = capsys.readouterr().out.strip()
     assert cli.main(["lab", "attach", str(run_dir), "--experiment", exp_id]) == 0
     assert "8 steps imported, finished at step 8" in capsys.readouterr().out

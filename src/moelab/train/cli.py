@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 from importlib import resources
 from pathlib import Path
@@ -100,28 +101,31 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     print(f"done: step {summary['step']}, loss {summary.get('loss', float('nan')):.4f}, "
           f"run dir {run_dir}")
-    print(next_commands(run_dir, args.config, args.experiment))
+    print(next_commands(run_dir, args.experiment))
     return EXIT_OK
 
 
-def next_commands(run_dir: Path, config: str, experiment: str | None) -> str:
+def next_commands(run_dir: Path, experiment: str | None) -> str:
     """What a finished run leads to, as commands to copy: a first run should not end in
-    silence (the README's "After your first run" says the same)."""
-    lines = [("moelab generate --run-dir {r} --prompt 'def '", "sample from the model")]
+    silence (the README's "After your first run" says the same). The experiment is planned
+    with the run's own config file, so attaching the run to it needs no config change."""
+    from moelab.train.rundir import current_config_path
+
+    r, q = shlex.quote(str(run_dir)), shlex.quote  # commands to paste into a shell
+    lines = [(f"moelab generate --run-dir {r} --prompt 'def '", "sample from the model")]
     if experiment:
         lines += [(f"moelab lab show {experiment}", "the experiment, this run included"),
                   (f"moelab lab finish {experiment} --status succeeded --outcome '...'",
                    "say what happened")]
     else:
-        lines += [(f"moelab lab new NAME --hypothesis '...' --config {config}",
-                   "plan an experiment (prints its id)"),
-                  ("moelab lab attach {r} --experiment ID", "record this run in it")]
+        lines += [("moelab lab new NAME --hypothesis '...' --config "
+                   f"{q(str(current_config_path(run_dir)))}", "plan an experiment (prints its id)"),
+                  (f"moelab lab attach {r} --experiment ID", "record this run in it")]
     lines += [("moelab lab publish runs/site", "the lab as a static site (lab extra)"),
-              ("moelab export --run-dir {r} --out runs/hf/" + run_dir.name,
+              (f"moelab export --run-dir {r} --out {q('runs/hf/' + run_dir.name)}",
                "a transformers model (export extra)")]
-    width = max(len(c.format(r=run_dir)) for c, _ in lines)
-    return "next:\n" + "\n".join(f"  {c.format(r=run_dir):<{width}}  # {why}"
-                                  for c, why in lines)
+    width = max(len(command) for command, _ in lines)
+    return "next:\n" + "\n".join(f"  {command:<{width}}  # {why}" for command, why in lines)
 
 
 def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
