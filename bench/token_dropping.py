@@ -63,7 +63,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from balance import METHODS, finished  # noqa: E402
 
-from moelab.config import MeshConfig, MoEConfig, load_config  # noqa: E402
+from moelab.config import MeshConfig, MoEConfig, data_dir, load_config  # noqa: E402
 from moelab.data.loader import read_meta  # noqa: E402
 from moelab.data.shards import shard_path  # noqa: E402
 from moelab.model.dispatch import Experts  # noqa: E402
@@ -270,7 +270,7 @@ def main() -> None:
     trained_s = time.time() - started
     cfg = cfgs[ROUTERS[0]]
     dispatch = ExpertParallelDispatch(make_mesh(MeshConfig(expert=DEVICES)), "padded")
-    table = measure(routers, cfg.data.path, cfg.data.seq_len, args.tokens_per_device,
+    table = measure(routers, data_dir(cfg.data.path), cfg.data.seq_len, args.tokens_per_device,
                     args.steps, dispatch)
     result = {
         "question": "dropped fraction of token-assignments vs context length at fixed tokens "

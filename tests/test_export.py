@@ -142,7 +142,7 @@ def test_cli_module_imports_nothing_heavy():
     assert out.stdout.strip() == "[]"
 
 
-def test_cli_exports_and_generates_from_a_run_dir(tmp_path, capsys):
+def test_cli_exports_and_generates_from_a_run_dir(tmp_path, capsys, caplog):
     checkpoint = pytest.importorskip("moelab.train.checkpoint")
     from moelab.cli import main
     from moelab.config import config_to_dict
@@ -162,9 +162,13 @@ def test_cli_exports_and_generates_from_a_run_dir(tmp_path, capsys):
     assert main(["export", "--run-dir", str(tmp_path / "run"), "--out",
                  str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # not owner-only
     assert main(["generate", "--run-dir", str(tmp_path / "run"), "--prompt", "def",
                  "--max-new-tokens", "5", "--temperature", "0"]) == 0
     exported, generated = capsys.readouterr().out.split("\n", 1)
+    # orbax's read-only notices (one claims the checkpoint directory is read only) are noise
+    assert not [r for r in caplog.records if r.name == "absl" and r.levelname == "WARNING"]
     assert exported.startswith("exported step 3") and generated.startswith("def")
     assert main(["generate", "--run-dir", str(tmp_path / "run"), "--top-p", "2"]) == 2
     assert main(["export", "--run-dir", str(tmp_path / "typo"), "--out", "x"]) == 2

@@ -41,13 +41,13 @@ def single_device_first_loss(cfg) -> float:
     """The loss of the initial model on the first training batch, on one device."""
     import equinox as eqx
 
-    from moelab.config import replace
+    from moelab.config import data_dir, replace
     from moelab.data.loader import Loader
     from moelab.parallel.mesh import make_mesh
     from moelab.train.step import make_loss
     from moelab.train.trainer import build_model
 
-    cfg = replace(cfg, mesh={"data": 1, "expert": 1}, data={"path": str(REPO / cfg.data.path)})
+    cfg = replace(cfg, mesh={"data": 1, "expert": 1}, data={"path": str(data_dir(cfg.data.path))})
     d = cfg.data
     batch = Loader(d.path, "train", d.seq_len, d.batch_size, d.mixture, d.seed).batch(0)
     model = build_model(cfg, make_mesh(cfg.mesh))

@@ -12,7 +12,13 @@ import importlib
 import sys
 
 from moelab import __version__
-from moelab.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
+from moelab.errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USER_ERROR,
+    Interrupted,
+    UserError,
+)
 
 PARTS = [
     "moelab.data.cli",
@@ -66,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError) as err:  # ConfigError is a UserError
         print(f"moelab {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Interrupted as stop:  # a stop that saved its work (the ladder's runs, say)
+        print(stop, file=sys.stderr)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:  # Ctrl-C before training installed its own handler
         print(f"moelab {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

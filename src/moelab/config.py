@@ -8,7 +8,9 @@ anything is compiled, and every error names the field and how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -109,11 +111,36 @@ class LossConfig:
 class DataConfig:
     """Where the prepared shards are and how batches are drawn from them."""
 
-    path: str = "runs/data/default"  # a directory written by `moelab data prepare`
+    # a directory written by `moelab data prepare`; a relative path lives under
+    # $MOELAB_HOME (see data_dir), "./" or "../" makes it the working directory's
+    path: str = "runs/data/default"
     seq_len: int = 128
     batch_size: int = 8  # sequences per optimizer step (before accumulation splits it)
     mixture: dict[str, float] = field(default_factory=dict)  # source -> weight; {} = by size
     seed: int = 0
+
+
+HOME_ENV = "MOELAB_HOME"
+
+
+def moelab_home() -> Path:
+    """$MOELAB_HOME, else ~/.cache/moelab (XDG_CACHE_HOME if set): one place per user for
+    prepared data, so `moelab train` from any directory finds the same corpus."""
+    if home := os.environ.get(HOME_ENV):
+        return Path(home).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelab"
+
+
+def data_dir(path: str) -> Path:
+    """The directory `data.path` names. Absolute: as given. Starting with "./" or "../":
+    relative to the working directory (an explicit choice). Any other relative path:
+    under moelab_home(), so the same config never prepares a second copy of a corpus
+    because it was started from another directory."""
+    if Path(path).expanduser().is_absolute():
+        return Path(path).expanduser()
+    if path.startswith(("./", "../")) or path in (".", ".."):
+        return Path(path)
+    return moelab_home() / path
 
 
 @dataclass(frozen=True)
@@ -257,8 +284,12 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
+        meant = [repr(m[0]) for u in unknown if (m := difflib.get_close_matches(str(u), names, 1))]
+        hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
+        if not where:  # the top level: its keys are the sections
+            raise ConfigError(f"unknown section(s) {unknown}{hint}; sections are {sorted(names)}")
         raise ConfigError(
-            f"{where}: unknown key(s) {unknown}; valid keys are {sorted(names)}"
+            f"{where}: unknown key(s) {unknown}{hint}; valid keys are {sorted(names)}"
         )
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in raw.items()}
     return cls(**kwargs)
@@ -271,6 +302,22 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     config = _build(Config, raw, "")
     validate(config)
     return config
+
+
+def preset_or_file(name: str | Path, presets: dict[str, Path], what: str) -> Path:
+    """The file of preset `name`, else `name` as a path. A name that is neither gets the
+    list of presets and the nearest one: `Tiny` and `small.yaml` are how people spell
+    the presets `tiny` and `small`."""
+    if str(name) in presets:
+        return presets[str(name)]
+    path = Path(name)
+    if path.is_file() or not presets:
+        return path
+    stem = path.name.lower().removesuffix(".yaml").removesuffix(".yml")
+    meant = difflib.get_close_matches(stem, presets, 1)
+    hint = f"; did you mean {meant[0]!r}?" if meant else ""
+    raise ConfigError(f"{what} {name} is neither a file nor a preset (presets: "
+                      f"{', '.join(presets)}){hint}")
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:

@@ -35,9 +35,10 @@ class DivergenceError(RuntimeError):
 
 
 class Interrupted(Exception):
-    """Training stopped on SIGTERM/SIGINT after saving a checkpoint at `step`."""
+    """Training stopped on SIGTERM/SIGINT after saving a checkpoint at `step` (None: it
+    stopped before the first step, e.g. while preparing its data; `message` says where)."""
 
-    def __init__(self, step: int):
-        super().__init__(f"interrupted at step {step}; checkpoint {step} saved; "
+    def __init__(self, step: int | None, message: str | None = None):
+        super().__init__(message or f"interrupted at step {step}; checkpoint {step} saved; "
                          "rerun the same command to resume")
         self.step = step

@@ -24,10 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--sources", choices=["default", "installed"], default=None,
                          help="a preset instead of --source: 'installed' = every installed "
                          "Python package's sources + system docs (a corpus to measure scale)")
-    prepare.add_argument("--vocab-size", type=int, default=4096)
+    prepare.add_argument("--vocab-size", type=int, default=4096,
+                         help="BPE tokenizer size, special tokens included")
     prepare.add_argument("--near-dup-threshold", type=float, default=0.8,
                          help="MinHash Jaccard at or above which a document is a near dup")
-    prepare.add_argument("--val-fraction", type=float, default=0.05)
+    prepare.add_argument("--val-fraction", type=float, default=0.05,
+                         help="share of each source's documents held out for validation")
     prepare.add_argument("--min-chars", type=int, default=200,
                          help="shorter documents are dropped as too_short")
     prepare.add_argument("--max-docs", type=int, default=None,

@@ -18,6 +18,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -94,7 +95,7 @@ class Executor:
         else:
             if self._pool is None:  # started once, on first need, for every stage
                 self._pool = multiprocessing.get_context("spawn").Pool(
-                    self.workers, initializer=_without_pandas)
+                    self.workers, initializer=_start_worker)
             results = self._pool.imap(measured, tasks, chunksize=1)
         return self._record(desc, list(tqdm(results, total=len(tasks), desc=desc, unit="shard")))
 
@@ -113,10 +114,14 @@ class _NoPandas:
             raise ModuleNotFoundError("pandas is not imported in a pool worker", name=name)
 
 
-def _without_pandas() -> None:
-    """Pool worker start: stage tasks never convert to pandas, but pyarrow imports it
-    (~0.5 s of CPU a process) at its first pa.array only to check whether the input is a
-    pandas object. A worker of ours runs nothing else, so it skips that import."""
+def _start_worker() -> None:
+    """Pool worker start. Ctrl-C reaches the whole process group: a worker ignores SIGINT
+    and leaves the stop to the driver, which terminates the pool (no traceback per worker,
+    no pool left waiting for a task that died with its worker). Stage tasks never convert
+    to pandas, but pyarrow imports it (~0.5 s of CPU a process) at its first pa.array only
+    to check whether the input is a pandas object. A worker of ours runs nothing else, so
+    it skips that import."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.meta_path.insert(0, _NoPandas())
 
 

@@ -29,7 +29,13 @@ from moelab.data.dedup import MAX_THRESHOLD, NUM_PERM, SHINGLE_WORDS, lsh_bands
 from moelab.data.executor import Executor, RayExecutor, peak_rss_mb, reset_peak_rss
 from moelab.data.ingest import list_documents, source_globs
 from moelab.data.loader import META_FILE, SPLITS
-from moelab.data.provenance import MANIFEST_DIR, count_documents, read_manifest, reason_kind
+from moelab.data.provenance import (
+    MANIFEST_DIR,
+    content_sha256,
+    count_documents,
+    read_manifest,
+    reason_kind,
+)
 from moelab.data.shards import read_table, shard_path, token_dtype, write_json, write_streams
 from moelab.data.tokenizer import EOS, MIN_VOCAB, TOKENIZER_FILE
 from moelab.errors import UserError
@@ -221,6 +227,7 @@ def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
         **{f"{split}_tokens": {s: totals[s, split] for s in sources} for split in SPLITS},
         "documents": {s: dict(counts[s]) for s in sources},
         "held_out": held_out(sources),
+        "content_sha256": content_sha256(read_manifest(out)),
         "settings": settings,
     }
     write_json(out / META_FILE, meta)

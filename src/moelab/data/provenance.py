@@ -10,6 +10,7 @@ document order; readers stream them one shard at a time.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -45,6 +46,17 @@ def read_manifest(data_dir: str | Path) -> Iterator[dict]:
             record["quality"] = {k: v for k, v in (record["quality"] or {}).items()
                                  if v is not None}
             yield record
+
+
+def content_sha256(records: Iterable[dict]) -> str:
+    """sha256 over every input file's (source, path, sha256), in canonical order: two
+    datasets built from the same files with the same settings share it, and a default
+    corpus that differs from another machine's (other packages installed, another Python)
+    shows it here before any loss is compared."""
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update(f"{record['source']}\t{record['path']}\t{record['sha256']}\n".encode())
+    return digest.hexdigest()
 
 
 def reason_kind(reason: str) -> str:

@@ -28,6 +28,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         vocab_size=vocab_size,
         special_tokens=[EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bars print blank lines when stdout is not a terminal
     )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer

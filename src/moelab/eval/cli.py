@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from moelab.config import data_dir
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("eval", help="evaluate a run: held-out tasks, bits per byte")
@@ -61,13 +63,14 @@ def _tokenizer(cfg, path: Path | None):
     from moelab.data.tokenizer import TOKENIZER_FILE, load_tokenizer
     from moelab.errors import UserError
 
-    data = load_tokenizer(cfg.data.path)
+    data = load_tokenizer(data_dir(cfg.data.path))
     tokenizer = data if path is None else Tokenizer.from_file(str(path))
     if tokenizer.get_vocab_size() > cfg.model.vocab_size or (
             path is not None and tokenizer.get_vocab() != data.get_vocab()):
-        where = path or Path(cfg.data.path) / TOKENIZER_FILE
+        where = path or data_dir(cfg.data.path) / TOKENIZER_FILE
         raise UserError(f"tokenizer mismatch: {where} ({tokenizer.get_vocab_size()} tokens) is "
-                        f"not the tokenizer of {cfg.data.path} that the model (vocab_size "
+                        f"not the tokenizer of {data_dir(cfg.data.path)} that the model "
+                        f"(vocab_size "
                         f"{cfg.model.vocab_size}) was trained with")
     return tokenizer
 
@@ -108,7 +111,7 @@ def _tasks(args: argparse.Namespace) -> None:
     if args.items < 1:
         raise UserError(f"--items must be >= 1, got {args.items}")
     model, cfg, step = _load(args.run_dir)
-    available = task_names(cfg.data.path)
+    available = task_names(data_dir(cfg.data.path))
     names = [n.strip() for n in args.tasks.split(",") if n.strip()] or available
     unknown = [n for n in names if n.startswith(PREFIX) and n not in available]
     if unknown:  # before the harness indexes its own tasks (seconds)
@@ -134,7 +137,8 @@ def _bpb(args: argparse.Namespace) -> None:
 
     model, cfg, step = _load(args.run_dir)
     _tokenizer(cfg, None)
-    metrics = whole_split_evaluator(cfg.data.path, cfg.data.seq_len, cfg.train.dtype)(model)
+    evaluate = whole_split_evaluator(data_dir(cfg.data.path), cfg.data.seq_len, cfg.train.dtype)
+    metrics = evaluate(model)
     path = _write(args.out or args.run_dir / "eval", f"bpb-step{step}.json",
                   {"run_dir": str(args.run_dir), "step": step, "kind": "bpb",
                    "metrics": metrics})

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from moelab.config import data_dir
 from moelab.errors import UserError
 
 ROWS = 16  # requests per forward pass
@@ -165,8 +166,8 @@ def score_tasks(model, cfg, tokenizer: Tokenizer, names: list[str], task_dir: Pa
     model, and add each local task's gold-answer bits per byte."""
     from moelab.eval.tasks import task_names, write_tasks
 
-    local = [n for n in names if n in task_names(cfg.data.path)]
-    written = write_tasks(cfg.data.path, tokenizer, local, task_dir, items, seed)
+    local = [n for n in names if n in task_names(data_dir(cfg.data.path))]
+    written = write_tasks(data_dir(cfg.data.path), tokenizer, local, task_dir, items, seed)
     lm = make_lm(model_logits_fn(model, cfg.train.dtype), tokenizer, cfg.data.seq_len)
     scores = run_tasks(lm, task_dir, names, seed)
     for name, jsonl in written.items():

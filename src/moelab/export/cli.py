@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from moelab.config import data_dir
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser(
@@ -41,11 +43,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     gen = subparsers.add_parser("generate", help="sample text from a run's latest checkpoint")
     gen.add_argument("--run-dir", required=True, type=Path, help="a training run directory")
-    gen.add_argument("--prompt", default="", help="text to continue ('' = a new document)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--prompt", default="",
+                     help="text to continue (default: '', a new document)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample")
+    gen.add_argument("--temperature", type=float, default=0.8,
+                     help="softmax temperature; 0 = greedy")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus mass to sample from")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
     gen.set_defaults(func=_generate)
 
 
@@ -63,7 +67,7 @@ def _load(run_dir: Path):
     return load_latest(run_dir)
 
 
-def _tokenizer_or_none(data_path: str):
+def _tokenizer_or_none(data_path: Path):
     """The run's tokenizer, or None (with a note) when its data directory is gone."""
     from moelab.data.tokenizer import load_tokenizer
     from moelab.errors import UserError
@@ -89,7 +93,7 @@ def _export(args: argparse.Namespace) -> None:
         print(f"note: trained with moe.dispatch={cfg.moe.dispatch}; the export (like "
               "`moelab generate`) computes every expert assignment, dropping none",
               file=sys.stderr)
-    out = export_hf(model, cfg, args.out, _tokenizer_or_none(cfg.data.path))
+    out = export_hf(model, cfg, args.out, _tokenizer_or_none(data_dir(cfg.data.path)))
     print(f"exported step {step} of {args.run_dir} to {out}")
 
 
@@ -102,7 +106,7 @@ def _generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     model, cfg, _ = _load(args.run_dir)
-    tokenizer = load_tokenizer(cfg.data.path)
+    tokenizer = load_tokenizer(data_dir(cfg.data.path))
     print(args.prompt + generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
                                       args.temperature, args.top_p, args.seed))
 
@@ -136,16 +140,17 @@ def _verify(args: argparse.Namespace) -> int:
     check_exportable(cfg)
     out = args.out or args.run_dir / "verify"
     streams = []
-    for source in _sources(cfg.data.path):
-        streams.append(np.load(shard_path(cfg.data.path, source, "val"), mmap_mode="r"))
+    for source in _sources(data_dir(cfg.data.path)):
+        streams.append(np.load(shard_path(data_dir(cfg.data.path), source, "val"), mmap_mode="r"))
     if not streams:
-        notes.append(f"no held-out data at {cfg.data.path}: the inputs are seeded random tokens")
+        notes.append(f"no held-out data at {data_dir(cfg.data.path)}: the inputs are seeded "
+                     "random tokens")
     inputs = g.fixed_inputs(cfg.data.seq_len, cfg.model.vocab_size, streams)
     golden = g.write_golden(model, cfg, inputs, out / g.GOLDEN_FILE)
     export_dir = args.export
     if export_dir is None:
         shutil.rmtree(out / "hf", ignore_errors=True)  # ours, from an earlier verify
-        export_dir = export_hf(model, cfg, out / "hf", _tokenizer_or_none(cfg.data.path))
+        export_dir = export_hf(model, cfg, out / "hf", _tokenizer_or_none(data_dir(cfg.data.path)))
     elif not (export_dir / "config.json").is_file():
         raise UserError(f"--export {export_dir} has no config.json; pass a `moelab export` "
                         "output directory")

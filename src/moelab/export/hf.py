@@ -255,6 +255,8 @@ def export_hf(
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         for name, text in files.items():
             (tmp / name).write_text(text + "\n")
+        # safetensors creates its file owner-only; give it the mode (umask) of the others
+        shutil.copymode(tmp / "config.json", tmp / WEIGHTS_FILE)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only
         os.replace(tmp, out_dir)  # atomic; replaces an empty out_dir
     except BaseException:

@@ -51,6 +51,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     finish.add_argument("--outcome", required=True, help="what happened, failures included")
     finish.set_defaults(func=_finish)
 
+    attach = command("attach", "record an existing run dir (trained without --experiment) in "
+                     "an experiment, importing its metrics and events")
+    attach.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
+    attach.add_argument("--experiment", required=True, help="experiment id, e.g. exp-1")
+    attach.add_argument("--allow-config-change", action="store_true",
+                        help="attach although the run's config differs from the experiment's "
+                             "snapshot, recording the difference as a config_change event")
+    attach.set_defaults(func=_attach)
+
     report = command("report", "write report.html (interactive), summary.md and PNG plots")
     report.add_argument("id", help="experiment id, e.g. exp-1")
     report.add_argument("--out", type=Path, default=None,
@@ -102,6 +111,36 @@ def _finish(args: argparse.Namespace) -> None:
     with _open(args, "rw") as store:
         store.finish_experiment(args.id, args.status, args.outcome)
     print(f"{args.id}: {args.status}")
+
+
+def _attach(args: argparse.Namespace) -> None:
+    """The same record `moelab train --experiment` would have made, for a run that trained
+    without it: runs are cheap to start and the experiment is often named afterwards."""
+    from moelab.config import config_to_dict
+    from moelab.errors import UserError
+    from moelab.train.rundir import LAB_RUN_FILE, RunDirLock, current_config_path
+    from moelab.train.runlog import RunLog
+
+    run_dir, config_file = args.run_dir, current_config_path(args.run_dir)
+    if not config_file.is_file():
+        raise UserError(f"{run_dir} is not a run directory (no {config_file.name}); pass the "
+                        "--run-dir of a training run")
+    if (run_dir / LAB_RUN_FILE).exists():
+        raise UserError(f"{run_dir} is already attached ({(run_dir / LAB_RUN_FILE).read_text()})")
+    cfg = load_config(config_file)
+    _open(args, "rw").close()  # the lab must exist: `moelab lab new` makes the experiment
+    with RunDirLock(run_dir):  # not while a trainer is writing it
+        log = RunLog(run_dir, args.experiment, config_to_dict(cfg),
+                     snapshot_change=args.allow_config_change, lab=args.lab)
+        steps = [r["step"] for r in log.metrics.read()]
+        finished = bool(steps) and steps[-1] >= cfg.train.steps
+        if finished:
+            log.finish("succeeded")
+    state = (f"finished at step {steps[-1]}" if finished else
+             f"at step {steps[-1] if steps else 0} of {cfg.train.steps}; `moelab train "
+             f"--run-dir {run_dir} --experiment {args.experiment}` continues it")
+    print(f"attached {run_dir} to {args.experiment} as {log.run_id} ({len(steps)} steps "
+          f"imported, {state})")
 
 
 def _report(args: argparse.Namespace) -> None:

@@ -381,9 +381,11 @@ def static_asset(name: str) -> bytes:
 
 
 def write_static(out: Path) -> None:
+    """Every file under static/; read first, so a missing extra leaves no empty folder."""
+    assets = {name: static_asset(name) for name in STATIC_FILES}
     (out / "static").mkdir(parents=True, exist_ok=True)
-    for name in STATIC_FILES:
-        (out / "static" / name).write_bytes(static_asset(name))
+    for name, data in assets.items():
+        (out / "static" / name).write_bytes(data)
 
 
 def publish(store: Store, out_dir: str | Path) -> list[Path]:

@@ -241,6 +241,21 @@ class Store:
         if (mirror := self._mirrors.get(run_id)) is not None:
             mirror.log({f"event/{kind}": 1.0}, step=int(step))
 
+    def import_history(self, run_id: str, metrics: list[dict], events: list[dict]) -> None:
+        """Copy a run's record so far (its metrics.jsonl and events.jsonl records) into the
+        store in one transaction: a run attached after it trained shows its curves, last
+        step and events like one attached from the start. Non-numeric fields are skipped."""
+        rows = [(run_id, name, int(record["step"]), _number(name, value))
+                for record in metrics for name, value in record.items()
+                if name != "step" and isinstance(value, int | float)]
+        with self._write() as db:
+            db.executemany("INSERT OR REPLACE INTO metrics (run_id, name, step, value)"
+                           " VALUES (?, ?, ?, ?)", rows)
+            db.executemany("INSERT INTO events (run_id, step, kind, message, created_at)"
+                           " VALUES (?, ?, ?, ?, ?)",
+                           [(run_id, int(e["step"]), str(e["kind"]), str(e["message"]),
+                             time.time()) for e in events])
+
     def metrics(self, run_id: str, name: str) -> list[tuple[int, float]]:
         """(step, value) pairs in step order; NaN where the value was NaN."""
         rows = self._db.execute(

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from moelab.config import data_dir
 from moelab.ladder.results import is_finished, result, run_dir
 from moelab.ladder.spec import LadderSpec
 
@@ -43,7 +44,8 @@ def _score(path: Path, items: int, seed: int) -> dict[str, dict]:
         record = json.loads(cached.read_text())
         if record.get("items") == items and record.get("seed") == seed:
             return record["scores"]
-    scores = score_tasks(model, cfg, load_tokenizer(cfg.data.path), task_names(cfg.data.path),
+    data = data_dir(cfg.data.path)
+    scores = score_tasks(model, cfg, load_tokenizer(data), task_names(data),
                          path / "eval" / "tasks", items, seed)
     cached.write_text(json.dumps({"run_dir": str(path), "step": step, "kind": "tasks",
                                   "seed": seed, "items": items, "scores": scores}, indent=1))

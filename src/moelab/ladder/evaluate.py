@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from moelab.config import Config
+from moelab.config import Config, data_dir
 from moelab.eval.bpb import token_nll_fn, whole_split_evaluator
 from moelab.eval.bpb import val_windows as windows
 
@@ -37,4 +37,4 @@ def row_losses_fn(cfg: Config) -> Callable[[Any, np.ndarray], Any]:
 
 def make_evaluator(cfg: Config) -> Callable[[Any], dict[str, float]]:
     """model -> {val_loss/<source>, val_bpb/<source>, val_bpb_macro} over every val window."""
-    return whole_split_evaluator(cfg.data.path, cfg.data.seq_len, cfg.train.dtype)
+    return whole_split_evaluator(data_dir(cfg.data.path), cfg.data.seq_len, cfg.train.dtype)

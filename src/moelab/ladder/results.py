@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from moelab.config import ConfigError, config_from_dict, config_to_dict
+from moelab.config import ConfigError, config_from_dict, config_to_dict, data_dir
 from moelab.data.loader import mixture_weights, read_meta
 from moelab.errors import UserError
 from moelab.ladder.spec import LadderSpec, Rung, stable_end
@@ -111,7 +111,7 @@ def result(rung: Rung, path: Path, metric: str = "loss") -> RunResult:
     """The finished run's scores on the whole val split: with metric "loss" the CE,
     mixture-weighted over sources; with "bpb_macro" the bits per byte, macro-averaged."""
     records = metrics(path)
-    meta = read_meta(rung.config.data.path)
+    meta = read_meta(data_dir(rung.config.data.path))
     weights = dict(zip(meta["sources"], mixture_weights(meta, "train", rung.config.data.mixture),
                        strict=True))
     scored = [r for r in records if any(k.startswith(VAL_PREFIX) for k in r)]

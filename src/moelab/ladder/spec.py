@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from moelab.config import Config, ConfigError, config_from_dict, config_to_dict
+from moelab.config import Config, ConfigError, config_from_dict, config_to_dict, preset_or_file
 from moelab.train.metrics import active_params, flops_per_token, total_params
 from moelab.train.optimizer import width_factor
 
@@ -354,8 +354,17 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
                       lr_runs=lr_runs, evals=evals)
 
 
+# The ladder presets are the specs in the repository's configs/ladder/ (they name their
+# committed results), found beside the source tree: a checkout installed with `pip install
+# -e .`, as the README's set-up does. A name that is not a file is looked up there.
+LADDER_PRESETS = Path(__file__).resolve().parents[3] / "configs" / "ladder"
+
+
 def load_spec(path: str | Path, out: str | Path | None = None) -> LadderSpec:
-    path = Path(path)
+    """A ladder spec from a YAML file or a preset name (`default` is
+    configs/ladder/default.yaml, see LADDER_PRESETS)."""
+    presets = {p.stem: p for p in sorted(LADDER_PRESETS.glob("*.yaml"))}
+    path = preset_or_file(path, presets, "ladder spec")
     if not path.is_file():
         raise ConfigError(f"ladder spec {path} does not exist")
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -146,14 +147,25 @@ class Checkpointer:
         self.writer = writer
         if writer:
             self._remove_interrupted_saves()
-        keeping = {"max_to_keep": keep}
+        keeping = {"max_to_keep": keep if writer else None}
         if permanent:
             policies = ocp.checkpoint_managers
             keeping = {"preservation_policy": policies.AnyPreservationPolicy(
                 [policies.LatestN(keep), policies.CustomSteps(list(permanent))])}
+        # A reader asks for read_only and the settings it implies (orbax warns about each
+        # one it has to change), and orbax's unconditional "Given directory is read only"
+        # for what was asked is kept off the terminal of `export` and `generate`.
         options = ocp.CheckpointManagerOptions(
-            **keeping, create=writer, enable_async_checkpointing=False, read_only=not writer)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+            **keeping, create=writer, enable_async_checkpointing=False, read_only=not writer,
+            **({} if writer else {"save_interval_steps": 0}))
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        if not writer:
+            absl_log.setLevel(logging.ERROR)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        finally:
+            absl_log.setLevel(level)
 
     def _remove_interrupted_saves(self) -> None:
         """Temporary directories of saves that a kill or a full disk interrupted."""

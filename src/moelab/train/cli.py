@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 from importlib import resources
 from pathlib import Path
@@ -43,14 +44,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions = ckpt.add_subparsers(dest="action", required=True)
     verify = actions.add_parser("verify", help="list each checkpoint as good or bad (exit 1 "
                                 "if any is bad)")
-    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
     verify.set_defaults(func=verify_checkpoints)
 
 
 def config_path(name: str) -> Path:
-    if name in PRESETS:
-        return Path(str(resources.files("moelab") / "presets" / f"{name}.yaml"))
-    return Path(name)
+    """A preset's YAML (shipped inside the package) or a config file path."""
+    from moelab.config import preset_or_file
+
+    presets = {p: Path(str(resources.files("moelab") / "presets" / f"{p}.yaml"))
+               for p in PRESETS}
+    return preset_or_file(name, presets, "config")
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -119,7 +123,31 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     print(f"done: step {summary['step']}, loss {summary.get('loss', float('nan')):.4f}, "
           f"run dir {run_dir}")
+    print(next_commands(run_dir, args.experiment))
     return EXIT_OK
+
+
+def next_commands(run_dir: Path, experiment: str | None) -> str:
+    """What a finished run leads to, as commands to copy: a first run should not end in
+    silence (the README's "After your first run" says the same). The experiment is planned
+    with the run's own config file, so attaching the run to it needs no config change."""
+    from moelab.train.rundir import current_config_path
+
+    r, q = shlex.quote(str(run_dir)), shlex.quote  # commands to paste into a shell
+    lines = [(f"moelab generate --run-dir {r} --prompt 'def '", "sample from the model")]
+    if experiment:
+        lines += [(f"moelab lab show {experiment}", "the experiment, this run included"),
+                  (f"moelab lab finish {experiment} --status succeeded --outcome '...'",
+                   "say what happened")]
+    else:
+        lines += [("moelab lab new NAME --hypothesis '...' --config "
+                   f"{q(str(current_config_path(run_dir)))}", "plan an experiment (prints its id)"),
+                  (f"moelab lab attach {r} --experiment ID", "record this run in it")]
+    lines += [("moelab lab publish runs/site", "the lab as a static site (lab extra)"),
+              (f"moelab export --run-dir {r} --out {q('runs/hf/' + run_dir.name)}",
+               "a transformers model (export extra)")]
+    width = max(len(command) for command, _ in lines)
+    return "next:\n" + "\n".join(f"  {command:<{width}}  # {why}" for command, why in lines)
 
 
 def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:

@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from moelab.errors import EXIT_INTERRUPTED
 
@@ -46,4 +48,29 @@ class StopRequest:
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _raise_interrupt(signum: int, frame) -> None:
+    # Once: a second signal (Ctrl-C pressed twice, or the supervisor forwarding the one
+    # its worker already got from the terminal) must not interrupt the unwinding.
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def stop_at_once() -> Iterator[None]:
+    """SIGTERM/SIGINT raise KeyboardInterrupt at once, for work with no step to finish
+    (preparing the corpus): its stages skip the tasks whose outputs exist, so stopping
+    anywhere loses at most the tasks in flight. SIGTERM's default would kill the process
+    without unwinding, leaving the worker pool to be reaped by nobody."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _raise_interrupt) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
             signal.signal(signum, handler)

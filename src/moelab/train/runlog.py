@@ -1,7 +1,9 @@
 """Where a run's metrics and events go: JSONL files in the run dir, and the lab store.
 
 The JSONL files are the run's own record and always written; when the run is attached
-to a lab experiment, every step and event is mirrored into its SQLite store too.
+to a lab experiment, every step and event is mirrored into its SQLite store too; a run
+attached after it trained (`moelab lab attach`, or `--experiment` on a run started
+without it) brings its record so far into the store first.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from moelab.train.rundir import EVENTS_FILE, LAB_RUN_FILE, METRICS_FILE, config_
 
 class RunLog:
     def __init__(self, run_dir: Path, experiment: str | None, config: dict,
-                 snapshot_change: bool | None = None):
+                 snapshot_change: bool | None = None, lab: Path | None = None):
         """`snapshot_change`: None attaches whatever the config; False refuses a config that
-        differs from the experiment's snapshot; True accepts and records the difference."""
+        differs from the experiment's snapshot; True accepts and records the difference.
+        `lab`: the lab file (default `default_lab_path()`)."""
         self.metrics = JsonlLog(run_dir / METRICS_FILE)
         self.events = JsonlLog(run_dir / EVENTS_FILE)
         self.store, self.run_id = None, None
+        self._repair()  # before attaching: the store gets the repaired record
         if experiment:
-            self._attach(run_dir, experiment, config, snapshot_change)
-        self._repair()
+            self._attach(run_dir, experiment, config, snapshot_change, lab)
 
     def _repair(self) -> None:
         """Cut lines torn by a kill or a full disk, and say so: appending after a torn
@@ -41,34 +44,23 @@ class RunLog:
                 self.event(last[-1]["step"] if last else 0, "torn_line", message)
 
     def _attach(self, run_dir: Path, experiment: str, config: dict,
-                snapshot_change: bool | None) -> None:
+                snapshot_change: bool | None, lab: Path | None) -> None:
         from moelab.lab.store import Store, default_lab_path
 
-        self.store = Store(default_lab_path())
+        self.store = Store(lab or default_lab_path())
         marker = run_dir / LAB_RUN_FILE
         if marker.exists():
             self.run_id = json.loads(marker.read_text())["run_id"]
             return
         changes = ({} if snapshot_change is None else
-                   self._differs_from_snapshot(experiment, config, snapshot_change))
+                   snapshot_changes(self.store, experiment, config, snapshot_change))
         self.run_id = self.store.start_run(experiment, str(run_dir), config)
         marker.write_text(json.dumps({"run_id": self.run_id, "experiment": experiment}))
+        self.store.import_history(self.run_id, self.metrics.read(), self.events.read())
         if changes:
             changed = {k: {"old": a, "new": b} for k, (a, b) in changes.items()}
             self.event(0, "config_change", f"run config differs from experiment {experiment}'s "
                        f"snapshot: {json.dumps(changed)}")
-
-    def _differs_from_snapshot(self, experiment: str, config: dict, allow_change: bool) -> dict:
-        """The open-lab rule: a run attached to an experiment runs the config on record."""
-        snapshot = config_to_dict(config_from_dict(self.store.get_experiment(experiment).config))
-        changes = config_changes(snapshot, config)
-        if changes and not allow_change:
-            listed = "; ".join(f"{k}: experiment {a!r}, run {b!r}" for k, (a, b) in
-                               changes.items())
-            raise ConfigError(f"the config differs from experiment {experiment}'s snapshot "
-                              f"({listed}); run its config, or pass --allow-config-change to "
-                              "record the change")
-        return changes
 
     def step(self, step: int, record: dict) -> None:
         self.metrics.write({"step": step, **record})
@@ -82,7 +74,9 @@ class RunLog:
             self.store.log_event(self.run_id, step, kind, message)
 
     def finish(self, status: str, message: str = "") -> None:
-        if self.store is not None:
+        """End the lab run; a run that already ended (a finished run started again, which
+        has nothing left to train) keeps its record."""
+        if self.store is not None and self.store.get_run(self.run_id).status == "running":
             self.store.finish_run(self.run_id, status, message)
 
     def last_record(self, step: int) -> dict:
@@ -92,3 +86,28 @@ class RunLog:
     def rewind_to(self, step: int) -> None:
         """Forget metrics of steps after `step`: they are about to be recomputed."""
         self.metrics.truncate_after(step)
+
+
+def snapshot_changes(store, experiment: str, config: dict, allow_change: bool) -> dict:
+    """The open-lab rule: a run attached to an experiment runs the config on record.
+    Returns the differences (accepted only with `allow_change`)."""
+    snapshot = config_to_dict(config_from_dict(store.get_experiment(experiment).config))
+    changes = config_changes(snapshot, config)
+    if changes and not allow_change:
+        listed = "; ".join(f"{k}: experiment {a!r}, run {b!r}" for k, (a, b) in
+                           changes.items())
+        raise ConfigError(f"the config differs from experiment {experiment}'s snapshot "
+                          f"({listed}); run its config, or pass --allow-config-change to "
+                          "record the change")
+    return changes
+
+
+def check_snapshot(run_dir: Path, experiment: str, config: dict, allow_change: bool) -> None:
+    """`snapshot_changes` before a start creates anything (read-only; a run dir already
+    attached to the lab is not checked again, as RunLog does not)."""
+    from moelab.lab.store import Store, default_lab_path
+
+    if (Path(run_dir) / LAB_RUN_FILE).exists():
+        return
+    with Store(default_lab_path(), mode="ro") as store:
+        snapshot_changes(store, experiment, config, allow_change)

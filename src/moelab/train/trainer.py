@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -20,7 +21,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from moelab.config import Config, ConfigError, DataConfig, config_from_dict, config_to_dict
+from moelab.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    config_from_dict,
+    config_to_dict,
+    data_dir,
+)
 from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.eval.bpb import domain_metrics, tokenizer_bytes
@@ -28,7 +36,7 @@ from moelab.model import Transformer
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train.checkpoint import Checkpointer
-from moelab.train.interrupt import StopRequest
+from moelab.train.interrupt import StopRequest, stop_at_once
 from moelab.train.memory import check_fits
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
@@ -37,11 +45,12 @@ from moelab.train.rundir import (
     CHECKPOINT_DIR,
     LAB_RUN_FILE,
     LINEAGE_FILE,
+    METRICS_FILE,
     RunDirLock,
     check_identity,
     save_config,
 )
-from moelab.train.runlog import RunLog
+from moelab.train.runlog import RunLog, check_snapshot
 from moelab.train.spikes import SpikeDetector
 from moelab.train.step import make_eval_step, make_train_step
 
@@ -49,13 +58,27 @@ FAULT_ENV = "MOELAB_FAULT_AT_STEP"  # test hook: SIGKILL this process when reach
 
 
 def prepared_data(cfg: Config) -> Path:
-    """The dataset directory, preparing the built-in default corpus on first use."""
-    path = Path(cfg.data.path)
+    """The dataset directory (`config.data_dir`), preparing the built-in default corpus on
+    first use. A stop there (SIGINT/SIGTERM) ends at once with `Interrupted`: there is no
+    step to finish, and a rerun resumes the preparation where it stopped."""
+    path = data_dir(cfg.data.path)
     if not (path / "meta.json").exists() and cfg.data.path == DataConfig().path:
         from moelab.data.prepare import ensure_default_corpus
 
-        print(f"preparing the default corpus at {path} (once)")
-        ensure_default_corpus(path)
+        print(f"preparing the default corpus at {path} (once)", flush=True)
+        try:
+            with stop_at_once():
+                ensure_default_corpus(path)
+        except KeyboardInterrupt:
+            raise Interrupted(None, f"interrupted while preparing the corpus at {path}; "
+                              "rerun the same command to resume it") from None
+        print(f"corpus ready: {path}, content sha256 "
+              f"{read_meta(path).get('content_sha256', 'unknown')}", flush=True)
+    here = Path(cfg.data.path)
+    if not (path / "meta.json").exists() and (here / "meta.json").exists() and here != path:
+        raise ConfigError(f"data.path: {cfg.data.path!r} means {path} (relative paths live "
+                          f"under $MOELAB_HOME), which holds no dataset; for the one in the "
+                          f"working directory write data.path: ./{cfg.data.path}")
     meta = read_meta(path)
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
@@ -275,7 +298,8 @@ class Trainer:
         waits for logging. Eval, checkpoint, progress and stop-request steps sync first:
         nothing is saved before its step's loss and gradient norm are checked finite."""
         t = self.cfg.train
-        started, first, record = time.time(), self.step, self.log.last_record(self.step)
+        record = self.log.last_record(self.step)
+        rate_from = None  # (time, step) once the first step is compiled: the ETA's origin
         self._maybe_stop()
         self._last_done = time.time()
         pending = None  # (step, device-side metrics) queued but not fetched yet
@@ -285,6 +309,8 @@ class Trainer:
             batch = self._on_mesh(next(self.loader))
             self.model, self.opt_state, parts = self.train_step(self.model, self.opt_state, batch)
             self.step += 1
+            if rate_from is None:  # the call returns once compiled (seconds on CPU)
+                rate_from = (time.time(), self.step)
             if pending is not None:
                 self._complete(*pending)
             pending = (self.step, parts)
@@ -298,7 +324,7 @@ class Trainer:
                 if boundary[1] or boundary[3]:
                     self.save()
                 if boundary[2] or boundary[3]:
-                    self._print_progress(record, started, first)
+                    self._print_progress(record, *rate_from)
                 self._maybe_stop()
                 self._last_done = time.time()  # the next step's time excludes this work
         if pending is not None:
@@ -374,14 +400,16 @@ class Trainer:
         if os.environ.get(FAULT_ENV) == str(self.step):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _print_progress(self, record: dict, started: float, first: int) -> None:
-        per_step = (time.time() - started) / max(self.step - first, 1)
+    def _print_progress(self, record: dict, since: float, first: int) -> None:
+        """One line per log step. The ETA's rate counts from the first compiled step
+        (`since`, `first`): with the compile in it, the first ETA was 3x the real time."""
+        per_step = (time.time() - since) / max(self.step - first, 1)
         eta = per_step * (self.cfg.train.steps - self.step)
         vals = " ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in record.items()
                         if k.startswith("val_loss/"))
         print(f"step {self.step}/{self.cfg.train.steps} loss={record['loss']:.4f} "
               f"grad_norm={record['grad_norm']:.3f} tok/s={record['tokens_per_s']:.0f} "
-              f"eta={eta:.0f}s {vals}".rstrip(), flush=True)
+              f"eta={eta:.0f}s" + (f" val {vals}" if vals else ""), flush=True)
 
 
 def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
@@ -396,9 +424,31 @@ def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
     replaces the sampled validation (the ladder scores the whole val split). `parent`:
     a new run starts from another run's checkpoint (a branch).
     """
+    run_dir = Path(run_dir)
+    fresh = not run_dir.exists()
     try:
-        with RunDirLock(Path(run_dir)), StopRequest() as stop:
-            return Trainer(cfg, Path(run_dir), experiment, allow_config_change, stop,
+        # Refusals first, before the run dir, its lock or the corpus exist: a refused
+        # start leaves nothing behind. The corpus is prepared outside StopRequest, whose
+        # "finish this step" has no step to finish there.
+        check_identity(run_dir, cfg, allow_config_change)
+        if experiment and match_experiment:
+            check_snapshot(run_dir, experiment, config_to_dict(cfg), allow_config_change)
+        prepared_data(cfg)
+        with RunDirLock(run_dir), StopRequest() as stop:
+            return Trainer(cfg, run_dir, experiment, allow_config_change, stop,
                            match_experiment, evaluator, parent).run()
-    except FileNotFoundError as err:
+    except (UserError, FileNotFoundError) as err:
+        if fresh and not _has_trained(run_dir):
+            # refused by a later check (memory, mesh): the start created the run dir,
+            # so nothing in it is anyone else's and nothing of the run is lost
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(err, UserError):
+            raise
         raise UserError(str(err)) from err
+
+
+def _has_trained(run_dir: Path) -> bool:
+    """Whether the run dir holds anything of a run: a checkpoint or a logged step."""
+    metrics = run_dir / METRICS_FILE
+    return any(run_dir.glob(f"{CHECKPOINT_DIR}/*")) or (metrics.is_file()
+                                                        and metrics.stat().st_size > 0)
