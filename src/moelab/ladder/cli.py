@@ -1,4 +1,5 @@
-"""`moelab ladder plan|run|fit|report SPEC`: predict a big run's loss from small ones.
+"""`moelab ladder plan|run|fit|report SPEC`: predict a big run's loss from small ones;
+`moelab ladder compare BASE VARIANT...`: what a recipe change is worth in compute.
 
 Nothing heavy is imported at the top: jax arrives with the first training step, scipy and
 matplotlib with the fit and the plots.
@@ -29,6 +30,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      "prediction to it")
     command("fit", "fit the trained rungs and print the prediction (writes nothing)", _fit)
     command("report", "rebuild report.json/.md and the plots of a finished ladder", _report)
+    compare = commands.add_parser(
+        "compare", help="what each variant recipe is worth in compute against the base "
+        "(reads finished rungs, trains nothing)")
+    compare.add_argument("specs", type=Path, nargs="+",
+                         help="BASE.yaml VARIANT.yaml [MORE.yaml ...]: ladder specs")
+    compare.add_argument("--at", type=float, action="append", default=None, metavar="C",
+                         help="report the multiplier at this compute (FLOPs; repeatable; "
+                         "default: the first variant's largest rung)")
+    compare.add_argument("--l-inf", type=float, default=None,
+                         help="pin the shared irreducible loss (default: fitted jointly)")
+    compare.add_argument("--out", type=Path, default=None,
+                         help="where report.md, compare.json and compare.png go (default: "
+                         "runs/ladder/compare-<base>-<variant>...)")
+    compare.set_defaults(func=_compare)
 
 
 def _spec(args: argparse.Namespace):
@@ -86,3 +101,26 @@ def _report(args: argparse.Namespace) -> None:
     from moelab.ladder.runner import report_ladder
 
     report_ladder(_spec(args))
+
+
+def _compare(args: argparse.Namespace) -> None:
+    from moelab.errors import UserError
+    from moelab.ladder.compare import compare_ladders
+    from moelab.ladder.spec import load_spec
+
+    if len(args.specs) < 2:
+        raise UserError("compare needs a base spec and at least one variant spec")
+    specs = [load_spec(p) for p in args.specs]
+    out = args.out or Path("runs/ladder") / "-".join(["compare", *(s.name for s in specs)])
+    result = compare_ladders(specs, out, args.at, args.l_inf)
+    for name, v in result["variants"].items():
+        shape = "varies with C" if v["varies_with_compute"] else "one shared alpha"
+        for kind in ("theoretical", "realized"):
+            e = v[kind]
+            print(f"{name} vs {result['base']}: {kind} {e['value']:.3g}x "
+                  f"[{e['interval'][0]:.3g}, {e['interval'][1]:.3g}] "
+                  f"({e['confidence']:.0%}) at C={e['at'][0]['compute']:.3g}; {shape}; "
+                  f"{'distinguishable' if e['distinguishable'] else 'not distinguishable'} "
+                  "from seed noise")
+    print(f"L_inf {result['l_inf']['value']:.4f} ({result['l_inf']['mode']}); report in "
+          f"{out / 'report.md'}")
