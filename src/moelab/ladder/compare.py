@@ -394,7 +394,8 @@ def markdown(result_: dict[str, Any]) -> str:
              f"L_inf {result_['l_inf']['value']:.4f}, {result_['l_inf']['mode']}. Intervals: "
              f"{b['confidence']:.0%}, {b['method']} ({b['samples']} draws).", "",
              "| variant | at C (FLOPs) | theoretical (model FLOPs) | realized (wall-clock) | "
-             "distinguishable from seed noise | alpha_v - alpha_base | reported as |",
+             "distinguishable from seed noise (theoretical / realized) | "
+             "alpha_v - alpha_base | reported as |",
              "|---|---|---|---|---|---|---|"]
     for name, v in result_["variants"].items():
         d = v["alpha_difference"]
@@ -402,7 +403,8 @@ def markdown(result_: dict[str, Any]) -> str:
                                        strict=True)):
             te = {"value": t["value"], "interval": [t["low"], t["high"]]}
             re = {"value": r["value"], "interval": [r["low"], r["high"]]}
-            dist = "yes" if not t["low"] <= 1 <= t["high"] else "no"
+            dist = " / ".join("yes" if not e["low"] <= 1 <= e["high"] else "no"
+                              for e in (t, r))
             tail = (f"{d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | "
                     + ("a curve over C (alphas differ)" if v["varies_with_compute"]
                        else "one number (shared alpha)")) if i == 0 else "| "
@@ -444,10 +446,12 @@ def plot(result_: dict[str, Any], path: Path) -> None:
                                color=f"C{i + 1}", alpha=0.12)
     right.axhline(1.0, color="0.5", ls=":")
     right.set_yscale("log")
-    for ax, ylabel in ((left, "final validation loss (nats/token)"),
-                       (right, f"multiplier vs {result_['base']} (free alphas)")):
+    for ax, ylabel, xlabel in (
+            (left, "final validation loss (nats/token)", "compute C (model FLOPs)"),
+            (right, f"multiplier vs {result_['base']} (free alphas)",
+             "compute C the variant spends (model FLOPs)")):
         ax.set_xscale("log")
-        ax.set_xlabel("compute C (model FLOPs)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
