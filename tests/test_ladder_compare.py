@@ -199,3 +199,36 @@ def test_a_ladder_with_two_compute_levels_is_refused(tmp_path, data, capsys):
     assert code == 2 and err.count("\n") == 1 and "2 compute level(s)" in err
     code, _, err = run_cli(capsys, base)
     assert code == 2 and "at least one variant" in err
+
+
+# ------------------------------------------------------------ the dense recipe
+
+
+def test_the_dense_ladder_matches_the_moe_ladder_in_active_params_and_flops():
+    """configs/ladder/dense.yaml: the same runs as default.yaml, each with a dense FFN of the
+    MoE's active width. FLOPs per token by the README's formula (PaLM: 6 N_active + 12 L H
+    d_head S), counted here by hand from the config: the two differ only by the router's
+    d_model x n_experts weights per layer."""
+    dense, moe = load_spec("configs/ladder/dense.yaml"), load_spec("configs/ladder/default.yaml")
+    pairs = list(zip(dense.runs(), moe.runs(), strict=True))
+    assert len(pairs) == len(moe.runs()) > 10
+    for d, m in pairs:
+        assert (d.name, d.tokens, d.config.model.d_model) == (m.name, m.tokens,
+                                                               m.config.model.d_model)
+        assert dataclasses.replace(d.config, model=m.config.model) == m.config  # same recipe
+        cm, cd = m.config.model, d.config.model
+        assert cd.n_dense_layers == cd.n_layers and cm.n_dense_layers == 0
+        assert not m.config.moe.shared_expert
+        assert cd.d_ff_dense == m.config.moe.top_k * cm.d_ff  # the MoE's active FFN width
+        hd = cm.resolved_head_dim
+        attention = cm.d_model * hd * (2 * cm.n_heads + 2 * cm.n_kv_heads)
+        ffn = 3 * cm.d_model * m.config.moe.top_k * cm.d_ff
+        router = cm.d_model * m.config.moe.n_experts
+        head = cm.d_model * cm.vocab_size
+        dense_active = cm.n_layers * (attention + ffn) + head
+        assert d.active_params == dense_active
+        assert m.active_params == dense_active + cm.n_layers * router
+        attn_flops = 12 * cm.n_layers * cm.n_heads * hd * m.config.data.seq_len
+        assert d.compute == (6 * dense_active + attn_flops) * d.tokens
+        assert m.compute == (6 * (dense_active + cm.n_layers * router) + attn_flops) * m.tokens
+        assert m.compute / d.compute - 1 < 0.005  # the router: under 0.5% of the FLOPs
