@@ -43,6 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     compare.add_argument("--out", type=Path, default=None,
                          help="where report.md, compare.json and compare.png go (default: "
                          "runs/ladder/compare-<base>-<variant>...)")
+    compare.add_argument("--experiment", help="lab experiment id: record the multipliers "
+                         "there (they then show on the findings page with their intervals)")
     compare.set_defaults(func=_compare)
 
 
@@ -112,7 +114,7 @@ def _compare(args: argparse.Namespace) -> None:
         raise UserError("compare needs a base spec and at least one variant spec")
     specs = [load_spec(p) for p in args.specs]
     out = args.out or Path("runs/ladder") / "-".join(["compare", *(s.name for s in specs)])
-    result = compare_ladders(specs, out, args.at, args.l_inf)
+    result = compare_ladders(specs, out, args.at, args.l_inf, args.experiment)
     for name, v in result["variants"].items():
         shape = "varies with C" if v["varies_with_compute"] else "one shared alpha"
         for kind in ("theoretical", "realized"):

@@ -460,10 +460,35 @@ def plot(result_: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def record_in_lab(result_: dict[str, Any], out: Path, experiment: str) -> str:
+    """The multipliers as a finished run of a lab experiment (metrics named as
+    moelab.lab.report.MULTIPLIER says), so the findings page lists them with intervals."""
+    from moelab.lab.report import MULTIPLIER
+    from moelab.lab.store import Store, default_lab_path
+
+    values = {}
+    for name, v in result_["variants"].items():
+        for kind in ("theoretical", "realized"):
+            key, e = f"{kind}/{name} vs {result_['base']}", v[kind]
+            values |= {f"{MULTIPLIER}/{key}": e["value"],
+                       f"{MULTIPLIER}_low/{key}": e["interval"][0],
+                       f"{MULTIPLIER}_high/{key}": e["interval"][1]}
+    with Store(default_lab_path()) as store:
+        run = store.start_run(experiment, str(out), {"compare": {
+            "base": result_["base"], "variants": result_["variants_of"],
+            "l_inf": result_["l_inf"], "at": result_["variants"][result_["variants_of"][0]][
+                "theoretical"]["at"][0]["compute"]}})
+        store.log_metrics(run, 0, values)
+        store.finish_run(run, "succeeded", f"compute multipliers in {out / COMPARE_FILE}")
+    return run
+
+
 def compare_ladders(specs: list[LadderSpec], out: Path, at: list[float] | None = None,
-                    l_inf: float | None = None) -> dict[str, Any]:
+                    l_inf: float | None = None, experiment: str | None = None
+                    ) -> dict[str, Any]:
     """Read every spec's finished rungs, compare, write compare.json, report.md and
-    compare.png under `out`; the bootstrap settings are the base spec's `fit`."""
+    compare.png under `out` (and, with `experiment`, record the multipliers in the lab);
+    the bootstrap settings are the base spec's `fit`."""
     if len(specs) < 2:
         raise UserError("compare needs a base spec and at least one variant spec")
     recipes = [recipe_from_spec(s) for s in specs]
@@ -473,4 +498,6 @@ def compare_ladders(specs: list[LadderSpec], out: Path, at: list[float] | None =
     (out / COMPARE_FILE).write_text(json.dumps(result_, indent=1) + "\n")
     (out / "report.md").write_text(markdown(result_))
     plot(result_, out / "compare.png")
+    if experiment:
+        record_in_lab(result_, out, experiment)
     return result_

@@ -142,7 +142,8 @@ def _register_in_lab(spec: LadderSpec, record: dict[str, Any], experiment: str) 
                              {"preregistration": str(spec.out / prereg.PREREG_FILE),
                               "sha256": record["sha256"], "metric": p["metric"],
                               "law": p["law"], "fit": record["laws"][p["law"]]["fit"],
-                              "target": record["target"]["name"]})
+                              "target": record["target"]["name"],
+                              "run": str(run_dir(spec, spec.target))})  # scored on it
 
 
 def run_ladder(spec: LadderSpec, experiment: str | None = None) -> dict[str, Any]:
