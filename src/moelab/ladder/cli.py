@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     command("report", "rebuild report.json/.md and the plots of a finished ladder", _report)
     compare = commands.add_parser(
         "compare", help="what each variant recipe is worth in compute against the base "
-        "(reads finished rungs, trains nothing)")
+        "(reads finished rungs; trains only missing rungs, and only with --train)")
     compare.add_argument("specs", type=Path, nargs="+",
                          help="BASE.yaml VARIANT.yaml [MORE.yaml ...]: ladder specs")
     compare.add_argument("--at", type=float, action="append", default=None, metavar="C",
@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "runs/ladder/compare-<base>-<variant>...)")
     compare.add_argument("--experiment", help="lab experiment id: record the multipliers "
                          "there (they then show on the findings page with their intervals)")
+    compare.add_argument("--train", action="store_true",
+                         help="first train the specs' rungs that have not run (never their "
+                         "targets); without it a missing rung is an error")
     compare.set_defaults(func=_compare)
 
 
@@ -114,7 +117,7 @@ def _compare(args: argparse.Namespace) -> None:
         raise UserError("compare needs a base spec and at least one variant spec")
     specs = [load_spec(p) for p in args.specs]
     out = args.out or Path("runs/ladder") / "-".join(["compare", *(s.name for s in specs)])
-    result = compare_ladders(specs, out, args.at, args.l_inf, args.experiment)
+    result = compare_ladders(specs, out, args.at, args.l_inf, args.experiment, args.train)
     for name, v in result["variants"].items():
         shape = "varies with C" if v["varies_with_compute"] else "one shared alpha"
         for kind in ("theoretical", "realized"):

@@ -211,8 +211,8 @@ def recipe_from_spec(spec: LadderSpec) -> Recipe:
     missing = [r.name for r in spec.rungs if not is_finished(r, run_dir(spec, r))]
     if missing:
         raise UserError(f"ladder {spec.name}: rung(s) not trained in {spec.out}: "
-                        f"{', '.join(missing)}; run `moelab ladder run` on its spec first "
-                        "(compare never trains)")
+                        f"{', '.join(missing)}; train them with `moelab ladder compare "
+                        "--train` (rungs only) or `moelab ladder run` on its spec")
     for r in spec.rungs:
         check_run_dir(r, run_dir(spec, r))  # a directory of another config is not reused
     results = [result(r, run_dir(spec, r)) for r in spec.rungs]
@@ -483,14 +483,28 @@ def record_in_lab(result_: dict[str, Any], out: Path, experiment: str) -> str:
     return run
 
 
+def train_rungs(specs: list[LadderSpec]) -> None:
+    """Train the rungs not finished yet through the ladder's runner (resuming half-done
+    ones, never touching finished ones); a comparison needs no target or lr probes."""
+    from moelab.ladder.runner import ensure_trained
+
+    for spec in specs:
+        spec.out.mkdir(parents=True, exist_ok=True)
+        for i, rung in enumerate(spec.rungs, start=1):
+            ensure_trained(spec, rung, f"rung {i}/{len(spec.rungs)}")
+
+
 def compare_ladders(specs: list[LadderSpec], out: Path, at: list[float] | None = None,
-                    l_inf: float | None = None, experiment: str | None = None
-                    ) -> dict[str, Any]:
-    """Read every spec's finished rungs, compare, write compare.json, report.md and
-    compare.png under `out` (and, with `experiment`, record the multipliers in the lab);
-    the bootstrap settings are the base spec's `fit`."""
+                    l_inf: float | None = None, experiment: str | None = None,
+                    train: bool = False) -> dict[str, Any]:
+    """Read every spec's finished rungs (with `train`, first train those missing),
+    compare, write compare.json, report.md and compare.png under `out` (and, with
+    `experiment`, record the multipliers in the lab); the bootstrap settings are the base
+    spec's `fit`."""
     if len(specs) < 2:
         raise UserError("compare needs a base spec and at least one variant spec")
+    if train:
+        train_rungs(specs)
     recipes = [recipe_from_spec(s) for s in specs]
     f = specs[0].fit
     result_ = compare_recipes(recipes, at, l_inf, f.bootstrap, f.confidence, f.seed)
