@@ -14,6 +14,8 @@ from conftest import tiny_config
 from moelab import cli
 from moelab.config import config_to_dict
 from moelab.errors import UserError
+from moelab.lab.report import MULTIPLIER
+from moelab.lab.store import Store
 from moelab.ladder.compare import compare_recipes, recipe_from_spec
 from moelab.ladder.results import run_dir
 from moelab.ladder.spec import load_spec
@@ -140,12 +142,21 @@ def test_differing_alphas_are_reported_as_a_curve(tmp_path, data, capsys):
     assert curve == sorted(curve) and len(curve) > 10
 
 
-def test_more_than_two_specs_give_a_table_against_the_base(tmp_path, data, capsys):
+def test_more_than_two_specs_give_a_table_against_the_base(tmp_path, data, capsys,
+                                                           monkeypatch):
     paths = [write_spec(tmp_path, n, data) for n in ("base", "x2", "x4")]
     for path, m in zip(paths, (1, 2, 4), strict=True):
         fabricate(path, lambda c, m=m: base_law(m * c))
-    code, _, err = run_cli(capsys, *paths, "--out", tmp_path / "cmp")
+    monkeypatch.setenv("MOELAB_LAB", str(tmp_path / "lab.sqlite"))
+    with Store(tmp_path / "lab.sqlite") as store:
+        exp = store.new_experiment("recipes", "x4 > x2 > base", {}, None)
+    code, _, err = run_cli(capsys, *paths, "--out", tmp_path / "cmp", "--experiment", exp)
     assert code == 0, err
+    with Store(tmp_path / "lab.sqlite") as store:  # recorded as a finding, with its interval
+        (run,) = store.runs(exp)
+        latest = store.latest(run.id)
+    assert latest[f"{MULTIPLIER}/theoretical/x4 vs base"][1] == pytest.approx(4, rel=1e-3)
+    assert latest[f"{MULTIPLIER}_low/realized/x2 vs base"][1] < 2
     result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert "theoretical" not in result  # no single headline with two variants
     for name, m in (("x2", 2), ("x4", 4)):
