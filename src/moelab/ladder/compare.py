@@ -410,6 +410,11 @@ def markdown(result_: dict[str, Any]) -> str:
                        else "one number (shared alpha)")) if i == 0 else "| "
             lines.append(f"| {name} | {t['compute']:.3g} | {_fmt(te)} | {_fmt(re)} | {dist} | "
                          f"{tail} |")
+    for model, fits in result_["fits"].items():
+        for axis, fit in fits.items():
+            if fit["at_bound"]:
+                lines += ["", f"{model} fit against {axis}: on a bound (not identified by "
+                          f"the points): {', '.join(fit['at_bound'])}."]
     lines += ["", "| recipe | points (C: loss) | seed sd | model FLOPs/s |", "|---|---|---|---|"]
     for name, r in result_["recipes"].items():
         pts = ", ".join(f"{p['compute']:.3g}: {p['loss']:.4f}" for p in r["points"])
