@@ -15,7 +15,9 @@ C_needed / C. With one shared alpha it is ((L_base - L_inf) / (L_v - L_inf))^(1/
 - theoretical: C in model FLOPs (moelab.train.metrics.flops_per_token x tokens).
 - realized: the same fit with C replaced by wall-clock seconds, each point's tokens over
   its runs' measured tokens/s (median of the logged steps); a variant's seconds at a FLOP
-  budget C come from a log-log line through its points' (C, seconds).
+  budget C come from a log-log line through its points' (C, seconds). The throughput is
+  taken as measured: its own noise (a machine shared with other work) is not in the
+  interval, so realized multipliers from a busy machine say more about the load.
 
 Intervals: the ladder's parametric bootstrap (moelab.ladder.fit / predict): every point's
 loss redrawn as fitted + N(0, seed sd / sqrt(replicates)), with each recipe's pooled seed
@@ -267,7 +269,8 @@ def _both(recipes: list[Recipe], y: list[np.ndarray], shared_alpha: bool, l_inf:
     FLOPs fit's L_inf (the loss a recipe tends to does not depend on the clock)."""
     flops = fit_joint([r.compute for r in recipes], y, shared_alpha, l_inf,
                       None if starts is None else starts[0])
-    clock = fit_joint([r.seconds for r in recipes], y, shared_alpha, flops.E,
+    below = min(float(v.min()) for v in y) * (1 - 1e-9)  # an E on its bound (flagged) still pins
+    clock = fit_joint([r.seconds for r in recipes], y, shared_alpha, min(flops.E, below),
                       None if starts is None else starts[1])
     return flops, clock
 
