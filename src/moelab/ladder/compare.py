@@ -13,11 +13,13 @@ C_needed / C. With one shared alpha it is ((L_base - L_inf) / (L_v - L_inf))^(1/
 (A_base / A_v)^(1/alpha), the same at every C.
 
 - theoretical: C in model FLOPs (moelab.train.metrics.flops_per_token x tokens).
-- realized: the same fit with C replaced by wall-clock seconds, each point's tokens over
-  its runs' measured tokens/s (median of the logged steps); a variant's seconds at a FLOP
-  budget C come from a log-log line through its points' (C, seconds). The throughput is
-  taken as measured: its own noise (a machine shared with other work) is not in the
-  interval, so realized multipliers from a busy machine say more about the load.
+- realized: the same comparison in wall-clock: the seconds the base needs to spend
+  C_needed over the seconds the variant needs to spend C. Each recipe's seconds at a
+  FLOP budget come from a log-log line through its points' (C, tokens / measured tokens/s)
+  (median of the logged steps): its measured throughput, extrapolated as it trends with
+  size. The throughput is taken as measured: its own noise (a machine shared with other
+  work) is not in the interval. (Refitting L against seconds instead was tried first and
+  dropped: with per-point throughput noise it gave a narrower, spurious interval.)
 
 Intervals: the ladder's parametric bootstrap (moelab.ladder.fit / predict): every point's
 loss redrawn as fitted + N(0, seed sd / sqrt(replicates)), with each recipe's pooled seed
@@ -263,40 +265,33 @@ def check_comparable(recipes: list[Recipe]) -> None:
 # ------------------------------------------------------------------ the comparison
 
 
-def _both(recipes: list[Recipe], y: list[np.ndarray], shared_alpha: bool, l_inf: float | None,
-          starts: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[JointFit, JointFit]:
-    """(the FLOPs fit, the wall-clock fit) of the same losses; the wall-clock fit keeps the
-    FLOPs fit's L_inf (the loss a recipe tends to does not depend on the clock)."""
-    flops = fit_joint([r.compute for r in recipes], y, shared_alpha, l_inf,
-                      None if starts is None else starts[0])
-    below = min(float(v.min()) for v in y) * (1 - 1e-9)  # an E on its bound (flagged) still pins
-    clock = fit_joint([r.seconds for r in recipes], y, shared_alpha, min(flops.E, below),
-                      None if starts is None else starts[1])
-    return flops, clock
+def _fit(recipes: list[Recipe], y: list[np.ndarray], shared_alpha: bool,
+         l_inf: float | None, start: np.ndarray | None = None) -> JointFit:
+    return fit_joint([r.compute for r in recipes], y, shared_alpha, l_inf, start)
 
 
-def _values(recipes: list[Recipe], fits: tuple[JointFit, JointFit], at: np.ndarray
-            ) -> np.ndarray:
-    """Per variant: theoretical multipliers at `at`, realized ones there, alpha_v - alpha_b
-    (FLOPs fit); flattened, so one bootstrap draws them all."""
-    flops, clock = fits
+def _values(recipes: list[Recipe], fit: JointFit, at: np.ndarray) -> np.ndarray:
+    """Per variant: theoretical multipliers at `at`, realized ones there (the base's
+    wall-clock for the C_needed it needs over the variant's for C), alpha_v - alpha_b;
+    flattened, so one bootstrap draws them all."""
     out = []
     for i in range(1, len(recipes)):
-        out += [flops.multiplier(i, at), clock.multiplier(i, recipes[i].seconds_at(at)),
-                [flops.alpha[i] - flops.alpha[0]]]
+        theoretical = fit.multiplier(i, at)
+        realized = recipes[0].seconds_at(theoretical * at) / recipes[i].seconds_at(at)
+        out += [theoretical, realized, [fit.alpha[i] - fit.alpha[0]]]
     return np.concatenate(out)
 
 
-def _band(recipes, fits, shared_alpha, l_inf, at, samples, confidence, seed):
+def _band(recipes, fit, shared_alpha, l_inf, at, samples, confidence, seed):
     """The ladder's parametric bootstrap of every value `_values` returns."""
-    starts = (fits[0].theta(), fits[1].theta())
+    start = fit.theta()
     split_at = np.cumsum([len(r.loss) for r in recipes])[:-1]
 
     def refit(y: np.ndarray) -> np.ndarray:
-        return _values(recipes, _both(recipes, np.split(y, split_at), shared_alpha, l_inf,
-                                      starts), at)
+        return _values(recipes, _fit(recipes, np.split(y, split_at), shared_alpha, l_inf,
+                                     start), at)
 
-    fitted = np.concatenate([fits[0].loss(i, r.compute) for i, r in enumerate(recipes)])
+    fitted = np.concatenate([fit.loss(i, r.compute) for i, r in enumerate(recipes)])
     sd = np.concatenate([r.point_sd for r in recipes])
     return _curve_band(_safe(refit), fitted, sd, 0.0, samples, confidence, seed)
 
@@ -314,8 +309,8 @@ def compare_recipes(recipes: list[Recipe], at: list[float] | None = None,
     grid = np.geomspace(lo_c, max(hi_c * 10, *at_list), GRID)
     points = np.concatenate([np.asarray(at_list, float), grid])
     n_at, n = len(at_list), len(points)
-    free = _both(recipes, y, False, l_inf)
-    shared = _both(recipes, y, True, l_inf)
+    free = _fit(recipes, y, False, l_inf)
+    shared = _fit(recipes, y, True, l_inf)
     free_value, shared_value = _values(recipes, free, points), _values(recipes, shared, points)
     free_band = _band(recipes, free, False, l_inf, points, samples, confidence, seed)
     shared_band = _band(recipes, shared, True, l_inf, points, samples, confidence, seed)
@@ -353,12 +348,9 @@ def compare_recipes(recipes: list[Recipe], at: list[float] | None = None,
     out: dict[str, Any] = {
         "base": names[0], "variants_of": names[1:], "metric": recipes[0].metric,
         "data": recipes[0].data,
-        "l_inf": {"value": free[0].E, "mode": "pinned" if l_inf is not None else
+        "l_inf": {"value": free.E, "mode": "pinned" if l_inf is not None else
                   "fitted jointly (shared by every recipe)"},
-        "fits": {"free_alpha": {"flops": free[0].to_dict(names),
-                                "seconds": free[1].to_dict(names)},
-                 "shared_alpha": {"flops": shared[0].to_dict(names),
-                                  "seconds": shared[1].to_dict(names)}},
+        "fits": {"free_alpha": free.to_dict(names), "shared_alpha": shared.to_dict(names)},
         "recipes": {r.name: {"points": [{"compute": float(c), "seconds": float(s),
                                          "loss": float(lo), "sd": float(sd),
                                          "tokens_per_s": float(t)}
@@ -413,11 +405,10 @@ def markdown(result_: dict[str, Any]) -> str:
                        else "one number (shared alpha)")) if i == 0 else "| "
             lines.append(f"| {name} | {t['compute']:.3g} | {_fmt(te)} | {_fmt(re)} | {dist} | "
                          f"{tail} |")
-    for model, fits in result_["fits"].items():
-        for axis, fit in fits.items():
-            if fit["at_bound"]:
-                lines += ["", f"{model} fit against {axis}: on a bound (not identified by "
-                          f"the points): {', '.join(fit['at_bound'])}."]
+    for model, fit in result_["fits"].items():
+        if fit["at_bound"]:
+            lines += ["", f"{model} fit: on a bound (not identified by the points): "
+                      f"{', '.join(fit['at_bound'])}."]
     lines += ["", "| recipe | points (C: loss) | seed sd | model FLOPs/s |", "|---|---|---|---|"]
     for name, r in result_["recipes"].items():
         pts = ", ".join(f"{p['compute']:.3g}: {p['loss']:.4f}" for p in r["points"])
@@ -433,7 +424,7 @@ def plot(result_: dict[str, Any], path: Path) -> None:
 
     fig = Figure(figsize=(12, 4.5))
     left, right = fig.subplots(1, 2)
-    fit = result_["fits"]["free_alpha"]["flops"]
+    fit = result_["fits"]["free_alpha"]
     all_c = [p["compute"] for r in result_["recipes"].values() for p in r["points"]]
     grid = np.geomspace(min(all_c) / 1.5, max(all_c) * 10, 200)
     for i, (name, r) in enumerate(result_["recipes"].items()):
