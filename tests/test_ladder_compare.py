@@ -97,6 +97,9 @@ def test_a_known_multiplier_of_two_is_recovered_within_its_interval(tmp_path, da
     assert th["interval"][0] <= 2.0 <= th["interval"][1] and th["interval"][0] > 1.0
     assert re["value"] == pytest.approx(1.0, rel=1e-3)
     assert re["interval"][0] <= 1.0 <= re["interval"][1]
+    # steady FLOPs/s: wall-clock grows exactly as C, and the report raises no doubt
+    assert result["recipes"]["moe"]["seconds_vs_compute_slope"] == pytest.approx(1.0)
+    assert "not a compute statement" not in (out / "report.md").read_text()
     v = result["variants"]["moe"]
     assert not v["varies_with_compute"] and v["theoretical"]["distinguishable"]
     assert result["l_inf"]["value"] == pytest.approx(L_INF, abs=1e-3)

@@ -64,6 +64,9 @@ from moelab.ladder.results import (
 from moelab.ladder.spec import MIN_POINTS, LadderSpec
 
 GRID = 40  # compute values on the multiplier curve
+# wall-clock ~ C^slope across a recipe's points; outside this range the time is not mostly
+# model FLOPs at a steady throughput, and the report says the realized number is not either
+SLOPE_RANGE = (0.5, 1.5)
 COMPARE_FILE = "compare.json"
 
 
@@ -86,6 +89,13 @@ class Recipe:
         when the throughput in FLOPs/s does not change with size)."""
         slope, icept = np.polyfit(np.log(self.compute), np.log(self.seconds), 1)
         return np.exp(icept + slope * np.log(np.asarray(compute, float)))
+
+    @property
+    def seconds_slope(self) -> float:
+        """d log(seconds) / d log(C) over the points: 1 when wall-clock grows with model
+        FLOPs; near 0 when throughput is bound by overhead or by other work on the machine
+        (tiny models), and then a realized multiplier says nothing about compute."""
+        return float(np.polyfit(np.log(self.compute), np.log(self.seconds), 1)[0])
 
 
 @dataclass(frozen=True)
@@ -359,6 +369,7 @@ def compare_recipes(recipes: list[Recipe], at: list[float] | None = None,
                                             r.tokens_per_s if len(r.tokens_per_s) else
                                             np.zeros(len(r.loss)), strict=True)],
                              "seed_sd": r.seed_sd,
+                             "seconds_vs_compute_slope": r.seconds_slope,
                              "flops_per_s": float(np.median(r.compute / r.seconds))}
                     for r in recipes},
         "variants": variants,
@@ -405,6 +416,12 @@ def markdown(result_: dict[str, Any]) -> str:
                        else "one number (shared alpha)")) if i == 0 else "| "
             lines.append(f"| {name} | {t['compute']:.3g} | {_fmt(te)} | {_fmt(re)} | {dist} | "
                          f"{tail} |")
+    for name, r in result_["recipes"].items():
+        if not SLOPE_RANGE[0] <= r["seconds_vs_compute_slope"] <= SLOPE_RANGE[1]:
+            lines += ["", f"**Realized is not a compute statement here**: {name}'s wall-clock "
+                      f"grows as C^{r['seconds_vs_compute_slope']:.2f} over its points, not "
+                      "~C^1 (its throughput is bound by overhead or by other work on the "
+                      "machine), so its realized multiplier mostly reflects that."]
     for model, fit in result_["fits"].items():
         if fit["at_bound"]:
             lines += ["", f"{model} fit: on a bound (not identified by the points): "
