@@ -127,5 +127,11 @@ def _compare(args: argparse.Namespace) -> None:
                   f"({e['confidence']:.0%}) at C={e['at'][0]['compute']:.3g}; {shape}; "
                   f"{'distinguishable' if e['distinguishable'] else 'not distinguishable'} "
                   "from seed noise")
+    from moelab.ladder.compare import SLOPE_RANGE
+
+    for name, r in result["recipes"].items():
+        if not SLOPE_RANGE[0] <= r["seconds_vs_compute_slope"] <= SLOPE_RANGE[1]:
+            print(f"caution: {name}'s wall-clock grows as C^{r['seconds_vs_compute_slope']:.2f}"
+                  ", not ~C^1: its realized multiplier reflects overhead or load, not compute")
     print(f"L_inf {result['l_inf']['value']:.4f} ({result['l_inf']['mode']}); report in "
           f"{out / 'report.md'}")

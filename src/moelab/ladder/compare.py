@@ -438,6 +438,7 @@ def plot(result_: dict[str, Any], path: Path) -> None:
     """Left: each recipe's points and its jointly fitted L(C); right: the multipliers
     (theoretical, realized) against the variant's compute, with their bands."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     fig = Figure(figsize=(12, 4.5))
     left, right = fig.subplots(1, 2)
@@ -467,6 +468,8 @@ def plot(result_: dict[str, Any], path: Path) -> None:
             (right, f"multiplier vs {result_['base']} (free alphas)",
              "compute C the variant spends (model FLOPs)")):
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # decade labels only: no overlaps
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
