@@ -48,7 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     finish = command("finish", "end an experiment, saying what happened")
     finish.add_argument("id", help="experiment id, e.g. exp-1")
     finish.add_argument("--status", required=True, choices=ENDED, help="how it ended")
-    finish.add_argument("--outcome", required=True, help="what happened, failures included")
+    finish.add_argument("--conclusion", "--outcome", dest="outcome", required=True,
+                        help="what you conclude from what happened, failures included (the "
+                        "measured outcome is the predictions' scores, shown beside it)")
     finish.set_defaults(func=_finish)
 
     attach = command("attach", "record an existing run dir (trained without --experiment) in "
@@ -59,6 +61,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="attach although the run's config differs from the experiment's "
                              "snapshot, recording the difference as a config_change event")
     attach.set_defaults(func=_attach)
+    predict = command("predict", "pre-register a prediction of a metric before it is known")
+    predict.add_argument("id", help="experiment id, e.g. exp-1")
+    predict.add_argument("name", help="what is predicted, e.g. 'final val loss'")
+    predict.add_argument("--metric", default="loss", help="the logged metric it predicts")
+    predict.add_argument("--value", type=float, required=True, help="the predicted value")
+    predict.add_argument("--low", type=float, required=True, help="the interval's low end")
+    predict.add_argument("--high", type=float, required=True, help="the interval's high end")
+    scored = predict.add_mutually_exclusive_group(required=True)
+    scored.add_argument("--run", help="score it on this run (its id or run directory)")
+    scored.add_argument("--rule", choices=("best", "mean"),
+                        help="score it on the best (lowest) or mean last value of the "
+                        "experiment's runs")
+    predict.set_defaults(func=_predict)
 
     report = command("report", "write report.html (interactive), summary.md and PNG plots")
     report.add_argument("id", help="experiment id, e.g. exp-1")
@@ -141,6 +156,13 @@ def _attach(args: argparse.Namespace) -> None:
              f"--run-dir {run_dir} --experiment {args.experiment}` continues it")
     print(f"attached {run_dir} to {args.experiment} as {log.run_id} ({len(steps)} steps "
           f"imported, {state})")
+def _predict(args: argparse.Namespace) -> None:
+    details = {"metric": args.metric, **({"run": args.run} if args.run else {"rule": args.rule})}
+    with _open(args, "rw") as store:
+        store.add_prediction(args.id, args.name, args.value, args.low, args.high, details)
+    print(f"{args.id}: predicted {args.name} ({args.metric}) {args.value:g} "
+          f"[{args.low:g}, {args.high:g}], scored on "
+          + (f"run {args.run}" if args.run else f"the {args.rule} of its runs"))
 
 
 def _report(args: argparse.Namespace) -> None:

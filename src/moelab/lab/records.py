@@ -67,12 +67,42 @@ class Prediction:
     value: float
     low: float
     high: float
-    details: dict[str, Any]  # details["metric"] names the metric it predicts (default "loss")
+    details: dict[str, Any]  # details["metric"] names the metric it predicts (default "loss");
+    # details["run"] the run it is scored on (a run id or run directory), or details["rule"]
+    # how the experiment's runs are combined (SCORING_RULES); see `scored_by`
     created_at: float
 
     @property
     def metric(self) -> str:
         return str(self.details.get("metric", "loss"))
+
+    @property
+    def scored_by(self) -> tuple[str, str]:
+        """("run", its id or directory) or ("rule", best | mean | last). Predictions from
+        before runs were named fall back to "last": the last run that logged the metric,
+        which makes the score depend on run order, so new ones must name one or the other."""
+        if "run" in self.details:
+            return "run", str(self.details["run"])
+        return "rule", str(self.details.get("rule", "last"))
+
+
+# How a prediction is scored when it names no single run: "best" the lowest last value of
+# the experiment's runs (the lab's metrics are losses), "mean" their mean, "last" the last
+# run that logged the metric (only what old, unnamed predictions get).
+SCORING_RULES = ("best", "mean", "last")
+
+
+def check_scoring(details: dict[str, Any]) -> None:
+    """A prediction names at most one of a run and a rule, and the rule is a known one."""
+    if "run" in details and "rule" in details:
+        raise UserError(f"a prediction is scored on one run or by one rule, not both: got "
+                        f"run {details['run']!r} and rule {details['rule']!r}")
+    if "run" in details and not (isinstance(details["run"], str) and details["run"].strip()):
+        raise UserError(f"prediction run: expected a run id or run directory, got "
+                        f"{details['run']!r}")
+    if "rule" in details and details["rule"] not in SCORING_RULES:
+        raise UserError(f"prediction rule {details['rule']!r}: one of "
+                        f"{', '.join(SCORING_RULES)}")
 
 
 def check_transition(experiment: Experiment, new_status: str) -> None:

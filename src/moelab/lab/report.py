@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
 import time
 from collections.abc import Iterable
@@ -83,11 +84,31 @@ class ExperimentView:
         return next((spec for spec in self.plots() if spec.name == name), None)
 
     def observed(self, prediction: Prediction) -> float | None:
-        """The predicted metric's last value in the latest run that logged it."""
-        for run in reversed(self.runs):
-            if prediction.metric in self.latest[run.id]:
-                return self.latest[run.id][prediction.metric][1]
-        return None
+        return self.scored(prediction)[0]
+
+    def scored(self, prediction: Prediction) -> tuple[float | None, str]:
+        """(the value the prediction is scored against, which run or rule gave it): the
+        named run's last value of the metric, else the prediction's rule over the runs
+        that logged it (Prediction.scored_by)."""
+        metric, (kind, which) = prediction.metric, prediction.scored_by
+        logged = [run for run in self.runs if metric in self.latest[run.id]]
+        last = {run.id: self.latest[run.id][metric][1] for run in logged}
+        if kind == "run":
+            named = [run for run in self.runs if which == run.id
+                     or os.path.normpath(which) == os.path.normpath(run.run_dir)]
+            if not named:
+                return None, f"run {which} (not started)"
+            return last.get(named[-1].id), f"run {named[-1].id} (named)"
+        if not logged:
+            return None, f"{which} of the runs (none has logged {metric} yet)"
+        if which == "best":
+            best = min(logged, key=lambda run: last[run.id])
+            return last[best.id], f"best of {len(logged)} runs ({best.id})"
+        if which == "mean":
+            return (sum(last.values()) / len(last),
+                    f"mean of {len(logged)} runs ({', '.join(last)})")
+        return last[logged[-1].id], (f"last run that logged it ({logged[-1].id}; no run or "
+                                     "rule named at registration)")
 
 
 def load_view(store: Store, exp_id: str) -> ExperimentView:
@@ -156,6 +177,27 @@ def _tex_safe(label: str) -> str:
     return label.replace("$", r"\$")
 
 
+# Compute multipliers recorded by `moelab ladder compare --experiment`: metrics named
+# "multiplier/<theoretical|realized>/<variant> vs <base>", their interval's ends under
+# "multiplier_low/..." and "multiplier_high/..." (not ".../low": that would read as a
+# sub-series of the multiplier).
+MULTIPLIER = "multiplier"
+
+
+def multiplier_rows(view: ExperimentView) -> list[list[str]]:
+    """[run, comparison, kind, value, interval, distinguishable from 1] per recorded one."""
+    rows = []
+    for run in view.runs:
+        latest = view.latest[run.id]
+        for name in sorted(n for n in latest if n.startswith(MULTIPLIER + "/")):
+            _, kind, pair = name.split("/", 2)
+            low = latest.get(f"{MULTIPLIER}_low/{kind}/{pair}", (0, math.nan))[1]
+            high = latest.get(f"{MULTIPLIER}_high/{kind}/{pair}", (0, math.nan))[1]
+            rows.append([run.id, pair, kind, f"{latest[name][1]:.3g}x",
+                         f"[{low:.3g}, {high:.3g}]", "no" if low <= 1 <= high else "yes"])
+    return rows
+
+
 # ------------------------------------------------------------------------------ tables
 
 Table = tuple[str, list[str], list[list[str]]]  # title, header, rows of plain text
@@ -165,12 +207,12 @@ def tables(view: ExperimentView) -> list[Table]:
     """Runs, predictions and events as plain text; the HTML and Markdown renderers share them,
     so both say the same thing."""
     runs = [_run_row(run, view.latest[run.id]) for run in view.runs]
-    predictions = [prediction_row(p, view.observed(p)) for p in view.predictions]
+    predictions = [prediction_row(p, *view.scored(p)) for p in view.predictions]
     events = [[e.run_id, str(e.step), e.kind, e.message] for e in view.events]
     return [
         ("Runs", ["run", "status", "last step", "last loss", "directory", "message"], runs),
         ("Predictions", ["name", "metric", "value", "range", "observed", "within range",
-                         "registered"], predictions),
+                         "registered", "scored against"], predictions),
         ("Events (restarts, spikes, config changes)", ["run", "step", "kind", "message"], events),
     ]
 
@@ -187,9 +229,9 @@ def _run_row(run: Run, latest: dict[str, tuple[int, float]]) -> list[str]:
             run.run_dir, run.message]
 
 
-def prediction_row(p: Prediction, observed: float | None) -> list[str]:
+def prediction_row(p: Prediction, observed: float | None, basis: str) -> list[str]:
     return [p.name, p.metric, fmt_num(p.value), f"[{fmt_num(p.low)}, {fmt_num(p.high)}]",
-            fmt_num(observed), within(p, observed), fmt_time(p.created_at)]
+            fmt_num(observed), within(p, observed), fmt_time(p.created_at), basis]
 
 
 def fmt_num(value: float | None) -> str:
@@ -207,11 +249,28 @@ def fmt_time(timestamp: float | None) -> str:
                                                       time.gmtime(timestamp))
 
 
-def facts(experiment: Experiment) -> list[tuple[str, str]]:
+def measured(view: ExperimentView) -> str:
+    """The outcome as measured: each prediction against the value it is scored on. Kept
+    apart from the conclusion (the words of whoever ended the experiment), so a reader
+    sees what happened before what was made of it."""
+    parts = []
+    for p in view.predictions:
+        observed, basis = view.scored(p)
+        verdict = {"yes": "inside", "no": "outside", "not yet": "not known yet"}[
+            within(p, observed)]
+        parts.append(f"{p.name}: predicted {fmt_num(p.value)} [{fmt_num(p.low)}, "
+                     f"{fmt_num(p.high)}], observed {fmt_num(observed) or '-'} ({basis}): "
+                     f"{verdict}")
+    return "; ".join(parts) or "(no predictions registered)"
+
+
+def facts(view: ExperimentView) -> list[tuple[str, str]]:
+    experiment = view.experiment
     return [
         ("Status", experiment.status),
         ("Hypothesis", experiment.hypothesis),
-        ("Outcome", experiment.outcome or "(not ended yet)"),
+        ("Outcome (measured)", measured(view)),
+        ("Conclusion", experiment.outcome or "(not ended yet)"),
         ("Code", experiment.git_commit or "(no git commit recorded)"),
         ("Planned", fmt_time(experiment.created_at)),
         ("Ended", fmt_time(experiment.finished_at) or "(not yet)"),
@@ -225,7 +284,7 @@ def render_markdown(view: ExperimentView) -> str:
     """A summary for a GitHub issue (also what `moelab lab show` prints)."""
     e = view.experiment
     lines = [f"## {_md(e.name)} ({e.id}): {e.status}", ""]
-    lines += [f"- **{key}:** {_md(value)}" for key, value in facts(e)[1:]]
+    lines += [f"- **{key}:** {_md(value)}" for key, value in facts(view)[1:]]
     for title, header, rows in tables(view):
         lines += ["", f"### {title}", ""]
         if not rows:

@@ -37,6 +37,7 @@ from moelab.lab.report import (
     last_step,
     load_view,
     matches,
+    multiplier_rows,
     prediction_row,
     render_markdown,
     render_plot,
@@ -203,7 +204,7 @@ def render_experiment(store: Store, exp_id: str, root: str = "../", standalone: 
     links to the rest of the site (a report written on its own)."""
     view = load_view(store, exp_id)
     e = view.experiment
-    dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in facts(e))
+    dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in facts(view))
     payload = chart_payload(store, view.runs, view.predictions, view.events)
     links = "" if standalone else _nav(root) + (
         f"<p>{_link(root, 'compare', exp_id, 'compare these runs')}</p>" if view.runs else "")
@@ -330,11 +331,14 @@ def render_findings(store: Store, head: str = "") -> str:
             if rows else "<p>None.</p>"))
     # A prediction resolves when its experiment ends: a running one's last value is not
     # its outcome, and counting it would flatter (or smear) the calibration.
-    pairs = [(p, v.observed(p) if v.experiment.status in ENDED else None)
-             for v in views for p in v.predictions]
+    scored = [(p, *(v.scored(p) if v.experiment.status in ENDED else
+                    (None, v.scored(p)[1] + "; resolves when the experiment ends")))
+              for v in views for p in v.predictions]
+    pairs = [(p, actual) for p, actual, _ in scored]
     owner = {p.id: v.experiment.id for v in views for p in v.predictions}
     prediction_rows = [[_link("", "experiments", owner[p.id], owner[p.id]),
-                        *map(html.escape, _finding_row(p, actual))] for p, actual in pairs]
+                        *map(html.escape, _finding_row(p, actual, basis))]
+                       for p, actual, basis in scored]
     cal = calibration(pairs)
     summary = (f"<p>{cal.total} predictions registered, {cal.resolved} resolved (their "
                "experiment ended with an actual value). "
@@ -342,8 +346,17 @@ def render_findings(store: Store, head: str = "") -> str:
                   f"({cal.fraction_inside:.0%}); mean absolute error {cal.mean_abs_error:.4g}."
                   if cal.resolved else "None resolved yet.") + "</p>")
     predictions = (html_cells(["experiment", "name", "metric", "predicted", "interval",
-                               "actual", "error (actual - predicted)", "inside", "registered"],
+                               "actual", "error (actual - predicted)", "inside", "registered",
+                               "scored against"],
                               prediction_rows) if pairs else "<p>None registered.</p>")
+    multipliers = [[_link("", "experiments", v.experiment.id, v.experiment.id),
+                    html.escape(v.experiment.hypothesis), *map(html.escape, row)]
+                   for v in views for row in multiplier_rows(v)]
+    if multipliers:
+        predictions += ("<h2>Compute multipliers (measured, with intervals)</h2>"
+                        + html_cells(["experiment", "hypothesis", "run", "comparison", "kind",
+                                      "multiplier", "interval", "distinguishable from 1"],
+                                     multipliers))
     ended = sum(v.experiment.status in ENDED for v in views)
     body = (f"{_nav('')}<h1>Findings</h1><p>{len(views)} experiments, {ended} ended. "
             "Nothing is deleted: failed and abandoned work stays here with its reason.</p>"
@@ -352,11 +365,12 @@ def render_findings(store: Store, head: str = "") -> str:
     return html_page("moelab lab findings", body, head=head)
 
 
-def _finding_row(p: Prediction, actual: float | None) -> list[str]:
-    name, metric, value, interval, observed, inside, registered = prediction_row(p, actual)
+def _finding_row(p: Prediction, actual: float | None, basis: str) -> list[str]:
+    name, metric, value, interval, observed, inside, registered, basis = prediction_row(
+        p, actual, basis)
     known = actual is not None and math.isfinite(actual)
     return [name, metric, value, interval, observed,
-            fmt_num(actual - p.value) if known else "", inside, registered]
+            fmt_num(actual - p.value) if known else "", inside, registered, basis]
 
 
 # ------------------------------------------------------------------------- writing out

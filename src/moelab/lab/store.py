@@ -27,6 +27,7 @@ from moelab.lab.records import (
     Experiment,
     Prediction,
     Run,
+    check_scoring,
     check_transition,
 )
 
@@ -302,11 +303,13 @@ class Store:
         details: dict[str, Any],
     ) -> int:
         """Pre-register a prediction. There is no update API, and a trigger refuses UPDATE
-        and DELETE, so what was predicted is what the report shows."""
+        and DELETE, so what was predicted is what the report shows. details may name the
+        run it is scored on ("run") or the rule over the experiment's runs ("rule")."""
         _require_text("name", name)
         if not all(map(math.isfinite, (value, low, high))) or not low <= value <= high:
             raise UserError(f"prediction {name!r}: need finite low <= value <= high, got "
                             f"{low} <= {value} <= {high}")
+        check_scoring(details)
         with self._write() as db:
             experiment = self.get_experiment(exp_id)
             if experiment.status in ENDED:

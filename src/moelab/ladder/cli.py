@@ -1,4 +1,5 @@
-"""`moelab ladder plan|run|fit|report SPEC`: predict a big run's loss from small ones.
+"""`moelab ladder plan|run|fit|report SPEC`: predict a big run's loss from small ones;
+`moelab ladder compare BASE VARIANT...`: what a recipe change is worth in compute.
 
 Nothing heavy is imported at the top: jax arrives with the first training step, scipy and
 matplotlib with the fit and the plots.
@@ -36,6 +37,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also score every point and the target on the local held-out "
                              "tasks (downstream.md: accuracy and gold-answer bpb vs loss)")
     report.add_argument("--items", type=int, default=100, help="items per task (--downstream)")
+
+    compare = commands.add_parser(
+        "compare", help="what each variant recipe is worth in compute against the base "
+        "(reads finished rungs; trains only missing rungs, and only with --train)")
+    compare.add_argument("specs", type=Path, nargs="+",
+                         help="BASE.yaml VARIANT.yaml [MORE.yaml ...]: ladder specs")
+    compare.add_argument("--at", type=float, action="append", default=None, metavar="C",
+                         help="report the multiplier at this compute (FLOPs; repeatable; "
+                         "default: the first variant's largest rung)")
+    compare.add_argument("--l-inf", type=float, default=None,
+                         help="pin the shared irreducible loss (default: fitted jointly)")
+    compare.add_argument("--out", type=Path, default=None,
+                         help="where report.md, compare.json and compare.png go (default: "
+                         "runs/ladder/compare-<base>-<variant>...)")
+    compare.add_argument("--experiment", help="lab experiment id: record the multipliers "
+                         "there (they then show on the findings page with their intervals)")
+    compare.add_argument("--train", action="store_true",
+                         help="first train the specs' rungs that have not run (never their "
+                         "targets); without it a missing rung is an error")
+    add_ray_arguments(compare)
+    compare.set_defaults(func=_compare)
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,3 +157,36 @@ def _report(args: argparse.Namespace) -> None:
         from moelab.ladder.downstream import write_downstream
 
         write_downstream(spec, args.items)
+
+
+def _compare(args: argparse.Namespace) -> None:
+    from moelab.errors import UserError
+    from moelab.ladder.compare import compare_ladders
+    from moelab.ladder.spec import load_spec
+
+    if len(args.specs) < 2:
+        raise UserError("compare needs a base spec and at least one variant spec")
+    specs = [load_spec(p) for p in args.specs]
+    out = args.out or Path("runs/ladder") / "-".join(["compare", *(s.name for s in specs)])
+    if args.ray is not None and not args.train:
+        raise UserError("--ray trains missing rungs, so it needs --train")
+    options = ray_options(args) if args.ray is not None else {}
+    result = compare_ladders(specs, out, args.at, args.l_inf, args.experiment, args.train,
+                             args.ray, cpus=args.cpus_per_run, **options)
+    for name, v in result["variants"].items():
+        shape = "varies with C" if v["varies_with_compute"] else "one shared alpha"
+        for kind in ("theoretical", "realized"):
+            e = v[kind]
+            print(f"{name} vs {result['base']}: {kind} {e['value']:.3g}x "
+                  f"[{e['interval'][0]:.3g}, {e['interval'][1]:.3g}] "
+                  f"({e['confidence']:.0%}) at C={e['at'][0]['compute']:.3g}; {shape}; "
+                  f"{'distinguishable' if e['distinguishable'] else 'not distinguishable'} "
+                  "from seed noise")
+    from moelab.ladder.compare import SLOPE_RANGE
+
+    for name, r in result["recipes"].items():
+        if not SLOPE_RANGE[0] <= r["seconds_vs_compute_slope"] <= SLOPE_RANGE[1]:
+            print(f"caution: {name}'s wall-clock grows as C^{r['seconds_vs_compute_slope']:.2f}"
+                  ", not ~C^1: its realized multiplier reflects overhead or load, not compute")
+    print(f"L_inf {result['l_inf']['value']:.4f} ({result['l_inf']['mode']}); report in "
+          f"{out / 'report.md'}")

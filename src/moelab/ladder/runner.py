@@ -144,7 +144,8 @@ def _register_in_lab(spec: LadderSpec, record: dict[str, Any], experiment: str) 
                              {"preregistration": str(spec.out / prereg.PREREG_FILE),
                               "sha256": record["sha256"], "metric": p["metric"],
                               "law": p["law"], "fit": record["laws"][p["law"]]["fit"],
-                              "target": record["target"]["name"]})
+                              "target": record["target"]["name"],
+                              "run": str(run_dir(spec, spec.target))})  # scored on it
 
 
 def run_ladder(spec: LadderSpec, experiment: str | None = None, ray: str | None = None,
@@ -157,34 +158,48 @@ def run_ladder(spec: LadderSpec, experiment: str | None = None, ray: str | None 
     so the numbers are the same."""
 
     spec.out.mkdir(parents=True, exist_ok=True)
+    before = spec.rungs + spec.lr_runs
+    done = train_runs([(spec, before)], experiment, ray, cpus, **ray_options)
+    results = [done[r.name] for r in spec.rungs]
+    lr_results = [done[r.name] for r in spec.lr_runs]
+    record = preregister(spec, results, lr_results, experiment)
+    actual = train_runs([(spec, (spec.target,))], experiment, ray, cpus,
+                        **ray_options)[spec.target.name]
+    return write_report(spec, record, actual)
+
+
+def train_runs(runs: list[tuple[LadderSpec, tuple[Rung, ...]]], experiment: str | None = None,
+               ray: str | None = None, cpus: float = 1.0, **ray_options: Any
+               ) -> dict[str, RunResult]:
+    """Train (or read) the given runs of one or more ladders as jobs; {name: result}, names
+    prefixed with "<ladder>/" when there are several ladders."""
     if ray is not None:  # the default corpus is prepared here once, not by parallel tasks
         from moelab.config import DataConfig
         from moelab.train import trainer
 
-        for cfg in {r.config.data.path: r.config for r in spec.runs()}.values():
-            if cfg.data.path == DataConfig().path:
-                trainer.prepared_data(cfg)
-    before = spec.rungs + spec.lr_runs
-    jobs = [ladder_job(spec, rung, f"run {i}/{len(before)}", experiment, ray, cpus)
-            for i, rung in enumerate(before, start=1)]
-    done = run_jobs(jobs, ray, **ray_options)
-    results = [done[r.name] for r in spec.rungs]
-    lr_results = [done[r.name] for r in spec.lr_runs]
-    record = preregister(spec, results, lr_results, experiment)
-    target = ladder_job(spec, spec.target, "target", experiment, ray, cpus)
-    actual = run_jobs([target], ray, **ray_options)[spec.target.name]
-    return write_report(spec, record, actual)
+        configs = {r.config.data.path: r.config for _, rungs in runs for r in rungs}
+        if DataConfig().path in configs:
+            trainer.prepared_data(configs[DataConfig().path])
+    prefix = len(runs) > 1
+    jobs = []
+    for spec, rungs in runs:
+        spec.out.mkdir(parents=True, exist_ok=True)
+        label = "target" if rungs == (spec.target,) else None
+        jobs += [ladder_job(spec, rung, label or f"run {i}/{len(rungs)}", experiment, ray, cpus,
+                            f"{spec.name}/" if prefix else "")
+                 for i, rung in enumerate(rungs, start=1)]
+    return run_jobs(jobs, ray, **ray_options)
 
 
 def ladder_job(spec: LadderSpec, rung: Rung, label: str, experiment: str | None,
-               ray: str | None = None, cpus: float = 1.0) -> Job:
+               ray: str | None = None, cpus: float = 1.0, prefix: str = "") -> Job:
     """One run of the ladder as a job: a branch waits for its parent's run."""
     from moelab.train.memory import estimate_bytes
 
     memory = sum(estimate_bytes(rung.config)) if ray is not None else 0
-    return Job(rung.name, train_rung, (spec, rung, label, experiment),
-               after=(rung.parent,) if rung.parent else (), run_dir=run_dir(spec, rung).resolve(),
-               cpus=cpus, memory_bytes=memory)
+    return Job(prefix + rung.name, train_rung, (spec, rung, label, experiment),
+               after=(prefix + rung.parent,) if rung.parent else (),
+               run_dir=run_dir(spec, rung).resolve(), cpus=cpus, memory_bytes=memory)
 
 
 def train_rung(spec: LadderSpec, rung: Rung, label: str, experiment: str | None,
