@@ -129,8 +129,10 @@ class LadderSpec:
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """base with override's sections merged in, field by field (two levels deep)."""
-    merged = {name: dict(fields) for name, fields in base.items()}
+    """base with override's sections merged in, field by field (two levels deep); a
+    section that is a list (`stages`) is replaced whole."""
+    merged = {name: dict(fields) if isinstance(fields, dict) else fields
+              for name, fields in base.items()}
     for name, fields in override.items():
         if isinstance(fields, dict) and isinstance(merged.get(name), dict):
             merged[name].update(fields)
