@@ -20,6 +20,7 @@ PARTS = [
     "moelab.ladder.cli",
     "moelab.lab.cli",
     "moelab.export.cli",
+    "moelab.eval.cli",
 ]
 
 
