@@ -103,6 +103,14 @@ def loss_by_position(model, docs: list[np.ndarray], length: int,
     return {"length": length, "documents": len(rows), "buckets": buckets}
 
 
+def passkey_row(fill: np.ndarray, needle: np.ndarray, query: np.ndarray,
+                depth: float) -> np.ndarray:
+    """fill with the needle inserted after round(depth * len(fill)) of its tokens, then the
+    query (which ends with the key's tokens: the targets that are scored)."""
+    at = int(round(depth * len(fill)))
+    return np.concatenate([fill[:at], needle, fill[at:], query])
+
+
 def passkey(model, tokenizer, filler: np.ndarray, length: int, depths=DEPTHS,
             trials: int = TRIALS, seed: int = 0) -> list[dict[str, Any]]:
     """The passkey scores at one total length (in tokens), one entry per depth."""
@@ -123,9 +131,7 @@ def passkey(model, tokenizer, filler: np.ndarray, length: int, depths=DEPTHS,
                     raise UserError(f"passkey length {length} is too short for the key "
                                     f"sentence and query ({len(needle) + len(query)} tokens)")
                 start = int(rng.integers(0, len(filler) - n_fill))
-                fill = np.asarray(filler[start:start + n_fill])
-                at = int(round(depth * n_fill))
-                rows.append(np.concatenate([fill[:at], needle, fill[at:], query]))
+                rows.append(passkey_row(filler[start:start + n_fill], needle, query, depth))
             spans.append(len(key_ids))
         losses, hits = _score(model, np.stack(rows))
         lp, control, exact = [], [], []
