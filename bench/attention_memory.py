@@ -2,12 +2,15 @@
 
     PYTHONPATH=src python bench/attention_memory.py [--lengths 1024 2048 4096]
 
-Each length runs in a fresh subprocess (peak RSS only grows), which reports VmHWM from
-/proc/self/status after: importing JAX and building the model (the floor), then one
-jitted value_and_grad of the training loss on one sequence. The causal attention runs in
-query chunks (model/attention.py: at most 8, each against only the keys it can see), so the
-probabilities kept for the backward pass are the lower triangle, ~S^2/2 per head: the
-table states that term beside the measurement, so what grows quadratically is visible.
+Each length runs in a fresh subprocess, which reports from /proc/self/status: VmHWM after
+importing JAX and building the model (the floor) and after compiling and running one
+jitted value_and_grad of the training loss on one sequence (compiler included); then the
+RSS sampled every 0.5 ms during three more runs of the compiled step, whose rise over the
+RSS before them is the step's own working memory (activations, gradients, buffers).
+The causal attention runs in query chunks (model/attention.py: at most 8, each against
+only the keys it can see), so the probabilities kept for the backward pass are the lower
+triangle, ~S^2/2 per head: the table states that term beside the measurement, so what
+grows quadratically is visible.
 
 Writes bench/results/attention_memory.json.
 """
@@ -23,10 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import json, sys
-def hwm():
+import json, sys, threading, time
+def status(key):
     for line in open("/proc/self/status"):
-        if line.startswith("VmHWM"):
+        if line.startswith(key):
             return int(line.split()[1]) / 1024  # MiB
 import equinox as eqx, jax, jax.numpy as jnp
 from moelab.config import load_config
@@ -36,19 +39,30 @@ s = int(sys.argv[1])
 cfg = load_config(sys.argv[2], {"data.seq_len": s, "data.batch_size": 1})
 model = Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
 tokens = jax.random.randint(jax.random.key(1), (1, s + 1), 0, cfg.model.vocab_size)
-floor = hwm()
+floor = status("VmHWM")
 @eqx.filter_jit
 def step(m, t):
     def loss(m):
         logits, stats, _ = m(t[:, :-1])
         return objective(logits, t[:, 1:], stats, cfg.loss)[0]
     return eqx.filter_value_and_grad(loss)(m)
-loss, grads = step(model, tokens)
-jax.block_until_ready(grads)
-print(json.dumps({"seq_len": s, "floor_mib": floor, "peak_mib": hwm(),
+jax.block_until_ready(step(model, tokens))  # compile + first run
+with_compile = status("VmHWM")
+before, peak, done = status("VmRSS"), [0.0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], status("VmRSS"))
+        time.sleep(0.0005)
+sampler = threading.Thread(target=sample)
+sampler.start()
+for _ in range(3):
+    loss, grads = jax.block_until_ready(step(model, tokens))
+done.set()
+sampler.join()
+print(json.dumps({"seq_len": s, "floor_mib": floor, "hwm_with_compile_mib": with_compile,
+                  "rss_before_step_mib": before, "rss_peak_in_step_mib": peak[0],
                   "chunks": len(causal_chunks(s)), "loss": float(loss)}))
 """
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -63,7 +77,7 @@ def main() -> None:
         row = json.loads(done.stdout.strip().splitlines()[-1])
         # the kept attention probabilities: lower triangle x heads x layers x 4 bytes
         row["triangle_probs_mib"] = s * (s + 1) / 2 * 4 * 2 * 4 / 2**20  # 4 heads, 2 layers
-        row["step_mib"] = row["peak_mib"] - row["floor_mib"]
+        row["step_mib"] = row["rss_peak_in_step_mib"] - row["rss_before_step_mib"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     args.out.write_text(json.dumps({"preset": "tiny", "batch": 1, "rows": rows}, indent=1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -119,6 +120,61 @@ def drop_fractions(model: Transformer, data_dir: Path, tokens_per_batch: int) ->
     return out
 
 
+def cell_numbers(run: dict) -> dict[str, float]:
+    """The numbers one evaluated model contributes to the table."""
+    buckets = run["loss_by_position"]["buckets"]
+    keys = run["passkey"]
+    mean = lambda rows, k: float(np.mean([r[k] for r in rows]))
+    return {"loss_8x": float(np.mean([b["loss"] for b in buckets])),
+            "loss_last": buckets[-1]["loss"], "short": run["short_context_loss"]["mean"],
+            **{f"logprob_{m}": mean(keys[m], "key_logprob") for m in keys},
+            **{f"gain_{m}": mean(keys[m], "retrieval_gain") for m in keys},
+            "exact_8x": mean(keys["8x"], "exact")}
+
+
+def _mean_sd(m: dict, sd: dict, k: str) -> str:
+    return f"{m[k]:.3f}" + ("" if math.isnan(sd[k]) else f" +- {sd[k]:.3f}")
+
+
+def report(results: dict, out: Path) -> str:
+    """A markdown table (mean +- sd over seeds) and a plot of loss by position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = cell_numbers(results["cells"]["baseline"]["seeds"]["-"])
+    lines = ["| cell | seeds | loss 0-1024 | loss 896-1024 | short loss (128) | vs not "
+             "extended | passkey logprob 8x | retrieval gain 1x / 8x | exact 8x |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, cell in results["cells"].items():
+        runs = [cell_numbers(r) for r in cell["seeds"].values()]
+        if not runs:
+            continue
+        m = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+        sd = {k: float(np.std([r[k] for r in runs], ddof=1)) if len(runs) > 1 else float("nan")
+              for k in runs[0]}
+        pm = functools.partial(_mean_sd, m, sd)
+        lines.append(f"| {name} | {len(runs)} | {pm('loss_8x')} | {pm('loss_last')} | "
+                     f"{pm('short')} | {100 * (m['short'] / base['short'] - 1):+.2f}% | "
+                     f"{pm('logprob_8x')} | {m['gain_1x']:+.2f} / {m['gain_8x']:+.2f} | "
+                     f"{m['exact_8x']:.2f} |")
+        first = next(iter(cell["seeds"].values()))["loss_by_position"]["buckets"]
+        curves = np.mean([[b["loss"] for b in r["loss_by_position"]["buckets"]]
+                          for r in cell["seeds"].values()], axis=0)
+        ax.plot([b["start"] for b in first], curves, marker=".", label=name,
+                linestyle="--" if name == "baseline" else "-")
+    ax.set(xlabel="position bucket start (tokens)", ylabel="held-out CE",
+           title="loss by position after extension 128 -> 1024")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    table = "\n".join(lines) + "\n"
+    out.with_suffix(".md").write_text(table)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -128,7 +184,12 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4, help="passkeys per length and depth")
     parser.add_argument("--work", type=Path, default=ROOT / "runs/long_context")
     parser.add_argument("--out", type=Path, default=RESULTS / "long_context.json")
+    parser.add_argument("--report", action="store_true",
+                        help="only write the table and plot from --out")
     args = parser.parse_args()
+    if args.report:
+        print(report(json.loads(args.out.read_text()), args.out))
+        return
 
     started = time.time()
     pre_dir = args.work / "pretrain"
@@ -183,6 +244,7 @@ def main() -> None:
                       f"{time.time() - started:.0f}s)", flush=True)
     results["wall_s"] = time.time() - started
     args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(report(results, args.out))
 
 
 if __name__ == "__main__":
