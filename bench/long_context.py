@@ -186,8 +186,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "long_context.json")
     parser.add_argument("--report", action="store_true",
                         help="only write the table and plot from --out")
+    parser.add_argument("--merge", type=Path, nargs="+", default=[],
+                        help="result files of runs split over processes: their cells' seeds "
+                        "are merged into --out, then the report is written")
     args = parser.parse_args()
-    if args.report:
+    if args.merge:
+        merged = json.loads(args.merge[0].read_text())
+        for path in args.merge[1:]:
+            for name, cell in json.loads(path.read_text())["cells"].items():
+                merged["cells"].setdefault(name, {**cell, "seeds": {}})["seeds"].update(
+                    cell["seeds"])
+        merged["seeds"] = sorted({int(s) for c in merged["cells"].values()
+                                  for s in c["seeds"] if s != "-"})
+        merged.pop("wall_s", None)
+        args.out.write_text(json.dumps(merged, indent=1) + "\n")
+    if args.report or args.merge:
         print(report(json.loads(args.out.read_text()), args.out))
         return
 
