@@ -113,3 +113,52 @@ def test_sigmoid_shared_bias_model_exports_to_glm4moe(tmp_path):
     assert bool(jnp.any(jnp.sort(with_bias.experts) != jnp.sort(without.experts)))
     ours, theirs = greedy_both(model, hf)
     assert len(ours) == 32 and ours == theirs
+
+
+# ------------------------------------------------------------ RoPE scaling beyond the context
+
+ORIGINAL = 16  # the "pre-training" context; the logits below run to position 95 (6x past it)
+ROPES = {
+    "linear": {"type": "linear", "factor": 4.0},
+    "ntk": {"type": "ntk", "factor": 4.0},  # exported as default with the NTK-scaled theta
+    "llama3": {"type": "llama3", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    "yarn": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+}
+
+
+def long_error(model, hf, length: int = 96) -> tuple[np.ndarray, float]:
+    """Our logits and the max abs difference to transformers' at positions ORIGINAL.."""
+    tokens = np.asarray(jax.random.randint(jax.random.key(6), (1, length), 0, TINY.vocab_size))
+    ours = np.asarray(logits_of(model, jnp.asarray(tokens)))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens)).logits.numpy()
+    return ours, float(np.max(np.abs(ours - theirs)[:, ORIGINAL:]))
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_rope_scaling_logits_match_transformers_past_the_original_length(tmp_path, kind):
+    from moelab.config import RopeConfig
+
+    scale = 1.3 if kind in ("linear", "yarn") else 1.0  # folded into q_norm's weight
+    model, cfg = tiny(rope=RopeConfig(**ROPES[kind]), attn_logit_scale=scale)
+    hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
+    expected = "default" if kind == "ntk" else kind
+    assert hf.config.rope_parameters["rope_type"] == expected
+    ours, err = long_error(model, hf)
+    print(f"max |logit error| past position {ORIGINAL} ({kind}): {err:.2e}")
+    assert np.std(ours) > 0.5 and err < 1e-4
+
+
+def test_glm4moe_carries_yarn_and_a_logit_scale_folded_into_q_proj(tmp_path):
+    from moelab.config import RopeConfig
+
+    _, cfg = glm_model()  # no QK-norm: the scale goes into q_proj
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, rope=RopeConfig(**ROPES["yarn"]), attn_logit_scale=1.46))
+    model = random_model(cfg, seed=1)
+    hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
+    assert type(hf).__name__ == "Glm4MoeForCausalLM"
+    assert hf.config.rope_parameters["rope_type"] == "yarn"
+    ours, err = long_error(model, hf)
+    print(f"max |logit error| past position {ORIGINAL} (Glm4Moe, yarn, scale 1.46): {err:.2e}")
+    assert np.std(ours) > 0.5 and err < 1e-4

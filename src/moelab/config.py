@@ -25,6 +25,26 @@ from moelab.train.plan import StageConfig, build_plan
 
 
 @dataclass(frozen=True)
+class RopeConfig:
+    """How rotary frequencies derive from model.rope_theta: context extension (model/rope.py).
+
+    Defaults are the published ones (Levanter / transformers): llama3 low 1, high 4; yarn
+    beta_fast 32, beta_slow 1, attention temperature 0.1 ln(factor) + 1.
+    """
+
+    # default: plain RoPE; linear: position interpolation; ntk: static NTK-aware theta;
+    # llama3: Llama 3.1's per-wavelength blend; yarn: ramped blend + attention temperature
+    type: Literal["default", "linear", "ntk", "llama3", "yarn"] = "default"
+    factor: float = 1.0  # extension ratio (new context / original context); > 0
+    original_max_position_embeddings: int = 0  # the pre-training context; llama3/yarn need it
+    low_freq_factor: float = 1.0  # llama3: wavelengths > original / this are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths < original / this are untouched
+    beta_fast: float = 32.0  # yarn: pairs turning more than this often are extrapolated ...
+    beta_slow: float = 1.0  # ... those turning fewer times interpolated (divided by factor)
+    attention_factor: float = 0.0  # yarn: cos/sin multiplier; 0 = 0.1 ln(factor) + 1
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of the decoder-only transformer."""
 
@@ -37,7 +57,11 @@ class ModelConfig:
     d_ff: int = 256  # hidden width of each routed expert (SwiGLU)
     n_dense_layers: int = 0  # the first layers use a dense SwiGLU instead of MoE
     d_ff_dense: int = 0  # hidden width of dense layers; 0 means d_ff * top_k
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # RoPE base; model.rope says how an extension rescales it
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    # multiplies every attention logit (Marin's qk_mult): a long-context stage raises it,
+    # as YaRN's temperature does, to keep attention sharp over more keys
+    attn_logit_scale: float = 1.0
     norm_eps: float = 1e-6
     qk_norm: bool = True  # RMSNorm on queries and keys per head: the loss-spike fix
     tie_embeddings: bool = False
@@ -385,6 +409,7 @@ BOUNDS = {
     "model.vocab_size": (">", 0), "model.d_model": (">", 0), "model.n_layers": (">", 0),
     "model.n_heads": (">", 0), "model.n_kv_heads": (">", 0), "model.head_dim": (">=", 0),
     "model.d_ff": (">", 0), "model.d_ff_dense": (">=", 0), "model.rope_theta": (">", 0),
+    "model.attn_logit_scale": (">", 0),
     "model.norm_eps": (">", 0), "model.init_std": (">", 0),
     "moe.n_experts": (">", 0), "moe.top_k": (">", 0), "moe.d_ff_shared": (">=", 0),
     "moe.capacity_factor": (">", 0), "moe.block_size": (">", 0),
@@ -465,8 +490,47 @@ def validate(config: Config) -> None:
                  f"weight must be a finite number >= 0, got {weight}")
     _require(not d.mixture or sum(d.mixture.values()) > 0, "data.mixture",
              "weights must not all be zero")
+    _validate_rope(config)
     _validate_mesh(config)
     build_plan(config)  # stages: order, ends, mixtures, shapes, LR restarts
+
+
+def _validate_rope(config: Config) -> None:
+    """The rope parameters each type reads must make sense for the length trained at."""
+    r, d = config.model.rope, config.data
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                 "attention_factor"):
+        _require(math.isfinite(getattr(r, name)), f"model.rope.{name}",
+                 f"must be a finite number, got {getattr(r, name)}")
+    _require(r.factor > 0, "model.rope.factor", f"must be > 0, got {r.factor}")
+    _require(r.type != "default" or r.factor == 1, "model.rope.factor",
+             f"{r.factor} is unused by model.rope.type=default; choose linear, ntk, llama3 "
+             "or yarn to extend the context")
+    _require(r.attention_factor >= 0, "model.rope.attention_factor",
+             f"must be >= 0 (0 = YaRN's 0.1 ln(factor) + 1), got {r.attention_factor}")
+    _require(r.attention_factor == 0 or r.type == "yarn", "model.rope.attention_factor",
+             "only model.rope.type=yarn scales cos/sin; use model.attn_logit_scale")
+    _require(0 <= r.original_max_position_embeddings < INT_LIMIT,
+             "model.rope.original_max_position_embeddings",
+             f"must be >= 0 and < 2**31, got {r.original_max_position_embeddings}")
+    original = r.original_max_position_embeddings
+    if r.type in ("llama3", "yarn"):
+        _require(original > 0, "model.rope.original_max_position_embeddings",
+                 f"model.rope.type={r.type} needs the pre-training context length (e.g. the "
+                 "seq_len it was pre-trained at)")
+        _require(original <= d.seq_len, "model.rope.original_max_position_embeddings",
+                 f"{original} exceeds data.seq_len={d.seq_len}: an extension trains longer "
+                 "than the original context, not shorter")
+    if r.type == "llama3":
+        _require(0 < r.low_freq_factor < r.high_freq_factor, "model.rope.high_freq_factor",
+                 f"llama3 needs 0 < low_freq_factor ({r.low_freq_factor}) < "
+                 f"high_freq_factor ({r.high_freq_factor})")
+    if r.type == "yarn":
+        _require(0 < r.beta_slow < r.beta_fast, "model.rope.beta_fast",
+                 f"yarn needs 0 < beta_slow ({r.beta_slow}) < beta_fast ({r.beta_fast})")
+    if r.type == "ntk":
+        _require(config.model.resolved_head_dim > 2, "model.head_dim",
+                 "ntk scaling needs a head dim > 2 (theta * factor^(d/(d-2)))")
 
 
 def _validate_mesh(config: Config) -> None:

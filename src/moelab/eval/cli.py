@@ -2,6 +2,7 @@
 
     moelab eval tasks RUN_DIR [--tasks cont_code,cont_prose]   lm-evaluation-harness tasks
     moelab eval bpb RUN_DIR                                   bits per byte per domain
+    moelab eval longctx RUN_DIR                   loss by position, passkey, short context
 
 Results go to RUN_DIR/eval/ and, with --experiment, to the lab (plotted over training when
 several checkpoints are evaluated). JAX and the harness are imported inside the handlers.
@@ -22,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tasks = actions.add_parser(
         "tasks", help="multiple-choice tasks (ranked classification) through "
         "lm-evaluation-harness: acc, acc_norm with standard errors")
-    tasks.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    tasks.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
     tasks.add_argument("--tasks", default="",
                        help="comma-separated: local cont_<domain> tasks built from held-out "
                             "data (default: all of them), or the harness's own (e.g. "
@@ -35,9 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tasks.set_defaults(func=_tasks)
     bpb = actions.add_parser("bpb", help="bits per byte (and loss) per held-out domain over "
                              "the whole val split, with the macro average")
-    bpb.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    bpb.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
     _common(bpb)
     bpb.set_defaults(func=_bpb)
+    add_longctx(actions)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -147,3 +149,32 @@ def _bpb(args: argparse.Namespace) -> None:
         print(f"  {key:<22} {value:.4f}")
     print(f"wrote {path}")
     _to_lab(args.experiment, args.run_dir, cfg, step, metrics)
+
+
+def add_longctx(evals: argparse._SubParsersAction) -> None:
+    """The `longctx` subcommand, on whichever `moelab eval` parser holds the others."""
+    p = evals.add_parser("longctx", help="loss by position, passkey retrieval and short-"
+                         "context loss of a run's newest checkpoint (JSON; lab if attached)")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
+    p.add_argument("--original", type=int, default=0,
+                   help="the pre-extension context (0: model.rope's original length, else "
+                   "data.seq_len / model.rope.factor)")
+    p.add_argument("--max-multiple", type=int, default=8,
+                   help="longest passkey/position eval, in multiples of the original")
+    p.add_argument("--trials", type=int, default=8, help="passkeys per length and depth")
+    p.add_argument("--out", type=Path, help="JSON path (default RUN_DIR/longctx.json)")
+    p.set_defaults(func=_longctx)
+
+
+def _longctx(args: argparse.Namespace) -> int:
+    from moelab.errors import UserError
+    from moelab.eval.longctx import run
+
+    if not args.run_dir.is_dir():
+        raise UserError(f"{args.run_dir} is not a run directory; pass a training run's dir")
+    result = run(args.run_dir, args.original or None, args.max_multiple, args.trials, args.out)
+    last = result["loss_by_position"]["buckets"]
+    print(f"step {result['step']}: short-context loss {result['short_context_loss']['mean']:.4f}"
+          + (f", last-bucket loss {last[-1]['loss']:.4f}" if last else "")
+          + f"; written to {args.out or args.run_dir / 'longctx.json'}")
+    return 0

@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify = actions.add_parser(
         "verify", help="golden forward files from moelab vs the export in transformers: "
         "probabilities, argmax, routes; exit 1 if they disagree")
-    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                        help="a training run directory")
     verify.add_argument("--export", type=Path,
                         help="an existing export of this run to check (default: export the "
                              "latest checkpoint into OUT/hf)")

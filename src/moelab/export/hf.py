@@ -16,6 +16,13 @@ first layers (`first_k_dense_replace`). Its router has no softmax; Qwen3-MoE has
 expert, bias or scaling: `check_exportable` refuses, naming the field, what neither target
 expresses, before anything is written.
 
+RoPE scaling maps onto transformers' `rope_parameters` (what 5.x reads for both targets):
+linear, llama3 and yarn by name with their parameters (yarn's attention temperature as an
+explicit `attention_factor`); moelab's static ntk is `default` with the NTK-scaled theta.
+`model.attn_logit_scale` has no config field in either target, but logits are linear in
+the queries, so it is folded into the weights: into each head's q_norm weight (applied
+before RoPE), or into q_proj where there is no QK-norm. Nothing rope-related is refused.
+
 Weights are written in the layout of the Qwen3-MoE checkpoints on the Hub (one tensor per
 expert, `mlp.experts.{e}.gate_proj.weight`), which `transformers` fuses on load; torch
 Linear weights are [out, in], ours are [in, out], so every matrix is transposed.
@@ -32,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moelab.config import Config, ConfigError
+from moelab.config import Config, ConfigError, ModelConfig
 from moelab.errors import UserError
 
 if TYPE_CHECKING:
@@ -104,7 +111,7 @@ def hf_config(cfg: Config, eos_token_id: int | None = None) -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "rms_norm_eps": m.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "rope_parameters": hf_rope_parameters(m),
         "max_position_embeddings": cfg.data.seq_len,  # the context it was trained on
         "use_sliding_window": False,
         "tie_word_embeddings": m.tie_embeddings,
@@ -139,6 +146,27 @@ def hf_config(cfg: Config, eos_token_id: int | None = None) -> dict[str, Any]:
     }
 
 
+def hf_rope_parameters(m: ModelConfig) -> dict[str, Any]:
+    """model.rope as transformers' `rope_parameters` dict (modeling_rope_utils.py)."""
+    from moelab.model.rope import ntk_theta, yarn_mscale
+
+    r = m.rope
+    if r.type == "default":
+        return {"rope_type": "default", "rope_theta": m.rope_theta}
+    if r.type == "ntk":  # static: a fixed larger base computes the same frequencies
+        return {"rope_type": "default",
+                "rope_theta": ntk_theta(m.resolved_head_dim, m.rope_theta, r.factor)}
+    out = {"rope_type": r.type, "rope_theta": m.rope_theta, "factor": r.factor}
+    if r.type == "llama3":
+        out |= {"original_max_position_embeddings": r.original_max_position_embeddings,
+                "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
+    elif r.type == "yarn":
+        out |= {"original_max_position_embeddings": r.original_max_position_embeddings,
+                "beta_fast": r.beta_fast, "beta_slow": r.beta_slow, "truncate": True,
+                "attention_factor": float(r.attention_factor or yarn_mscale(r.factor))}
+    return out
+
+
 def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
     """Our parameters under Qwen3-MoE's checkpoint names, as float32 [out, in] arrays."""
     from moelab.model.moe import MoE
@@ -153,18 +181,20 @@ def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
            vec(model.final_norm.weight)}
     if model.lm_head is not None:
         out["lm_head.weight"] = t(model.lm_head)
+    q_scale = model.cfg.attn_logit_scale  # folded into the queries (see the module doc)
     for i, block in enumerate(model.blocks):
         p, attn = f"model.layers.{i}.", block.attn
+        q_folded = attn.q_norm is None and q_scale != 1.0
         out |= {
             p + "input_layernorm.weight": vec(block.attn_norm.weight),
             p + "post_attention_layernorm.weight": vec(block.ffn_norm.weight),
-            p + "self_attn.q_proj.weight": t(attn.wq),
+            p + "self_attn.q_proj.weight": t(attn.wq * q_scale if q_folded else attn.wq),
             p + "self_attn.k_proj.weight": t(attn.wk),
             p + "self_attn.v_proj.weight": t(attn.wv),
             p + "self_attn.o_proj.weight": t(attn.wo),
         }
         if attn.q_norm is not None:
-            out |= {p + "self_attn.q_norm.weight": vec(attn.q_norm.weight),
+            out |= {p + "self_attn.q_norm.weight": vec(attn.q_norm.weight * q_scale),
                     p + "self_attn.k_norm.weight": vec(attn.k_norm.weight)}
         if isinstance(block.ffn, MoE):
             experts, moe = block.ffn.experts, block.ffn.moe

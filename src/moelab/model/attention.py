@@ -46,6 +46,7 @@ class Attention(eqx.Module):
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
+    logit_scale: float = eqx.field(static=True, default=1.0)  # model.attn_logit_scale
 
     @classmethod
     def init(cls, cfg: ModelConfig, key: PRNGKeyArray) -> Attention:
@@ -56,7 +57,8 @@ class Attention(eqx.Module):
                    wk=normal(kk, (cfg.d_model, kv * hd), cfg.init_std),
                    wv=normal(kvk, (cfg.d_model, kv * hd), cfg.init_std),
                    wo=normal(ko, (h * hd, cfg.d_model), cfg.init_std),
-                   q_norm=norm(), k_norm=norm(), n_heads=h, n_kv_heads=kv, head_dim=hd)
+                   q_norm=norm(), k_norm=norm(), n_heads=h, n_kv_heads=kv, head_dim=hd,
+                   logit_scale=cfg.attn_logit_scale)
 
     def __call__(
         self,
@@ -88,7 +90,7 @@ class Attention(eqx.Module):
         return linear(out.reshape(b, s, -1), self.wo), cache
 
     def _attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
-        """softmax(q k^T / sqrt(d)) v, with query heads grouped over shared kv heads.
+        """softmax(logit_scale q k^T / sqrt(d)) v, query heads grouped over shared kv heads.
 
         Computed head-major: each kv head's query group stacked along the query axis
         ([B*KV, G*S, K] against [B*KV, T, K]), so both products are plain batched 2-D
@@ -99,7 +101,8 @@ class Attention(eqx.Module):
         # query head = kv_head * groups + g
         q = q.reshape(b, s, n, groups, hd).transpose(0, 2, 3, 1, 4).reshape(b * n, groups * s, hd)
         heads_first = lambda a: a.transpose(0, 2, 1, 3).reshape(b * n, t, hd)
-        logits = jnp.einsum("zqk,ztk->zqt", q, heads_first(k)).astype(jnp.float32) / jnp.sqrt(hd)
+        logits = jnp.einsum("zqk,ztk->zqt", q, heads_first(k)).astype(jnp.float32)
+        logits = logits * (self.logit_scale / jnp.sqrt(hd))
         logits = jnp.where(jnp.tile(mask, (groups, 1)), logits, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         out = jnp.einsum("zqt,ztk->zqk", probs, heads_first(v))

@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from moelab.config import RopeConfig
+from moelab.model.rope import rope_parameters
+
 
 def normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float) -> Array:
     return std * jax.random.normal(key, shape, dtype=jnp.float32)
@@ -39,12 +42,14 @@ class RMSNorm(eqx.Module):
         return (normed * self.weight).astype(x.dtype)
 
 
-def rope_angles(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos and sin of shape [*positions.shape, head_dim] for rotate-half RoPE."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+def rope_angles(positions: Array, head_dim: int, theta: float,
+                rope: RopeConfig | None = None) -> tuple[Array, Array]:
+    """cos and sin of shape [*positions.shape, head_dim] for rotate-half RoPE, with the
+    frequencies and cos/sin multiplier of `rope`'s scaling type (plain RoPE if None)."""
+    inv_freq, scale = rope_parameters(head_dim, theta, rope or RopeConfig())
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: Float[Array, "B S H K"], cos: Array, sin: Array) -> Float[Array, "B S H K"]:

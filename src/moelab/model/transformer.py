@@ -85,7 +85,8 @@ class Transformer(eqx.Module):
         """Logits for every position, per-MoE-layer stats stacked [L_moe], updated caches."""
         b, s = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
-        cos, sin = rope_angles(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta)
+        cos, sin = rope_angles(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta,
+                               self.cfg.rope)
         x = self.embed[tokens]
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         dense_cache, moe_cache = caches if caches is not None else (None, None)

@@ -282,8 +282,9 @@ def verify_run(run_dir: str | Path) -> list[tuple[int, str | None]]:
     return [(step, verify_step(directory / str(step))) for step in steps]
 
 
-def load_latest(run_dir: str | Path):
-    """(model, config, step) of a run's newest good checkpoint, on the default device."""
+def load_latest(run_dir: str | Path, only_step: int | None = None):
+    """(model, config, step) of a run's newest good checkpoint, on the default device
+    (only_step: that checkpoint, which must verify)."""
     from moelab.model import Transformer
     from moelab.train.optimizer import make_optimizer, trainable
 
@@ -304,7 +305,37 @@ def load_latest(run_dir: str | Path):
             lambda m: optimizer.init(trainable(m)), model))
         return ckpt.restore(step, model, opt_state, cfg)[0], cfg, step
 
+    if only_step is not None:
+        if only_step not in ckpt.steps():
+            raise UserError(f"no checkpoint {only_step} in {ckpt.directory}; it has steps "
+                            f"{ckpt.steps()}")
+        reason = ckpt.verify(only_step)
+        if reason is not None:
+            raise UserError(f"checkpoint {only_step} in {ckpt.directory} is damaged: {reason}")
+        return load(only_step)
     found = ckpt.newest_good(load)
     if found is None:
         raise UserError(f"no checkpoint in {ckpt.directory}; train a run first")
     return found
+
+
+def restore_weights(run_dir: str | Path, into, cfg: Config, step: int | None = None):
+    """`into` (a model built from `cfg`) with every parameter replaced by a checkpoint's:
+    weights only, no optimizer or loader state, each array placed like `into`'s.
+
+    A new stage starts from another run's weights under a new config: a longer seq_len,
+    another batch size or RoPE scaling (none of which changes a parameter's shape), so the
+    structure comes from `cfg` and only the shape fields must match the checkpoint's.
+    `step`: that checkpoint (it must verify), or None for the run's newest good one.
+    """
+    saved, saved_cfg, saved_step = load_latest(run_dir, only_step=step)
+    mismatches = shape_mismatches(config_to_dict(saved_cfg), cfg)
+    if mismatches:
+        raise UserError(f"checkpoint {saved_step} of {run_dir} cannot seed this config "
+                        f"({'; '.join(mismatches)}); only non-shape fields may change")
+    target, static = eqx.partition(into, is_tensor)
+    arrays = jax.tree.leaves(eqx.filter(saved, is_tensor))
+    placed = [jax.device_put(a, t.sharding) for a, t in zip(arrays, jax.tree.leaves(target),
+                                                             strict=True)]
+    return eqx.combine(jax.tree.unflatten(jax.tree.structure(target), placed), static)
+
