@@ -11,6 +11,7 @@ A run directory holds one run. Its files, each named only here:
     train.lock             advisory lock held by the one trainer writing here (its pid)
     worker.pid             pid of the supervisor's current worker
     lab_run.json           the lab run id this directory reports to
+    history-STAMP/         an earlier run's files, archived by --restart-from-scratch
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import errno
 import fcntl
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 from moelab.config import Config, config_to_dict, dump_config
 from moelab.errors import ConfigError, UserError
+from moelab.schema import brief, read_yaml
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -104,35 +107,63 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
 PLACEMENT = ("mesh.", "distributed.")
 
 
-def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, tuple]:
+def check_identity(run_dir: Path, cfg: Config, allow_change: bool,
+                   fallback: tuple[str, dict] | None = None) -> dict[str, tuple]:
     """Compare `cfg` with the run's config; refuse a change unless `allow_change` (changes
     of placement only, PLACEMENT, are always accepted).
 
-    Returns the accepted changes ({} for a fresh run or an identical config); the caller
-    saves them with `save_config` once the start has passed every other check and it
-    knows the step they take effect at. Writes nothing, so a refused start leaves the
-    run directory as it was.
+    The run's config is its config.yaml (or newest accepted change); when that file is
+    gone, `fallback` = (where, config dict), the config a checkpoint stored, stands in,
+    so deleting config.yaml never skips the check. Returns the accepted changes ({} for a
+    fresh run or an identical config); the caller saves them with `save_config` once the
+    start has passed every other check and it knows the step they take effect at. Writes
+    nothing, so a refused start leaves the run directory as it was.
     """
-    import yaml
-
     path = current_config_path(run_dir)
-    if not path.exists():
+    if path.exists():
+        saved, where = read_yaml(path, "run's config"), path.name
+    elif fallback is not None:
+        where, saved = fallback
+    else:
         return {}
-    try:
-        saved = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} is not readable YAML ({err}); restore it or use a new "
-                        "--run-dir") from err
     changes = config_changes(saved if isinstance(saved, dict) else {}, config_to_dict(cfg))
     refused = {k: v for k, v in changes.items() if not k.startswith(PLACEMENT)}
     if refused and not allow_change:
-        listed = "; ".join(f"{k}: run {a!r}, now {b!r}" for k, a, b in
-                           ((k, *v) for k, v in refused.items()))
-        raise ConfigError(f"the config differs from the run's {path.name} in {run_dir} "
-                          f"(incompatible config: {listed}); rerun with the run's config, "
-                          "use a new --run-dir, or pass --allow-config-change to record the "
-                          "change and continue")
+        listed = "; ".join(f"{k}: run {brief(a)}, now {brief(b)}" for k, a, b in
+                           ((k, *v) for k, v in list(refused.items())[:20]))
+        more = f" and {len(refused) - 20} more" if len(refused) > 20 else ""
+        raise ConfigError(f"the config differs from the run's {where} in {run_dir} "
+                          f"(incompatible config: {listed}{more}); rerun with the run's "
+                          "config, use a new --run-dir, or pass --allow-config-change to "
+                          "record the change and continue")
     return changes
+
+
+# What a run directory holds besides its checkpoints: the record of a run that trained.
+HISTORY = (METRICS_FILE, EVENTS_FILE, LAB_RUN_FILE, CONFIG_FILE, CHECKPOINT_DIR,
+           QUARANTINE_DIR, WORKER_PID_FILE)
+HISTORY_DIR = "history-"
+
+
+def history(run_dir: Path) -> list[str]:
+    """The names of the files (and checkpoint directories) of an earlier run in `run_dir`."""
+    run_dir = Path(run_dir)
+    found = [name for name in HISTORY if (run_dir / name).exists()]
+    return found + sorted(p.name for p in run_dir.glob("config.step-*.yaml"))
+
+
+def archive_history(run_dir: Path) -> Path | None:
+    """Move an earlier run's files into run_dir/history-STAMP/ (never deleted, never
+    appended to), so the run starts from scratch with an empty record. Call holding the
+    run-dir lock. Returns the archive, or None when there was nothing to archive."""
+    names = history(run_dir)
+    if not names:
+        return None
+    archive = Path(run_dir) / f"{HISTORY_DIR}{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    archive.mkdir()
+    for name in names:
+        os.replace(Path(run_dir) / name, archive / name)
+    return archive
 
 
 def save_config(run_dir: Path, cfg: Config, step: int, changed: bool) -> Path | None:
