@@ -13,6 +13,7 @@ import sys
 
 from moelab import __version__
 from moelab.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USER_ERROR, UserError
+from moelab.schema import bounded
 
 PARTS = [
     "moelab.data.cli",
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (UserError, FileNotFoundError) as err:  # ConfigError is a UserError
-        print(f"moelab {args.command}: error: {err}", file=sys.stderr)
+        # One bounded line: a message may quote a value read from a file of any size.
+        print(bounded(f"moelab {args.command}: error: {err}"), file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:  # Ctrl-C before training installed its own handler
         print(f"moelab {args.command}: interrupted", file=sys.stderr)

@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
 from moelab.config import load_config
 from moelab.lab.records import ENDED, current_git_commit
 from moelab.lab.store import Store, default_lab_path
+from moelab.schema import read_yaml
 from moelab.train.cli import PRESETS, config_path
 
 
@@ -77,7 +76,7 @@ def _open(args: argparse.Namespace, mode: Literal["rwc", "rw", "ro"]) -> Store:
 def _new(args: argparse.Namespace) -> None:
     path = config_path(args.config)
     load_config(path)  # refuse a config that could not run
-    snapshot = yaml.safe_load(path.read_text()) or {}
+    snapshot = read_yaml(path, "config") or {}
     with _open(args, "rwc") as store:
         print(store.new_experiment(args.name, args.hypothesis, snapshot, current_git_commit()))
 

@@ -26,13 +26,14 @@ import numpy as np
 from moelab.config import Config
 from moelab.data.loader import read_meta
 from moelab.data.shards import shard_path
+from moelab.schema import load_tokens
 
 ROWS = 16  # windows per forward pass
 
 
 def windows(data_dir: str | Path, source: str, seq_len: int) -> np.ndarray:
     """int32 [n, seq_len + 1]: window k is tokens[k*S : k*S + S + 1] of the val stream."""
-    stream = np.load(shard_path(data_dir, source, "val"), mmap_mode="r")
+    stream = load_tokens(shard_path(data_dir, source, "val"))
     n = (len(stream) - 1) // seq_len
     rows = [stream[k * seq_len : k * seq_len + seq_len + 1] for k in range(n)]
     return np.stack(rows).astype(np.int32) if rows else np.zeros((0, seq_len + 1), np.int32)

@@ -36,9 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from moelab.config import Config, ConfigError, config_from_dict, config_to_dict
+from moelab.schema import read_yaml
 from moelab.train.metrics import active_params, flops_per_token, total_params
 from moelab.train.optimizer import width_factor
 
@@ -353,8 +352,4 @@ def load_spec(path: str | Path, out: str | Path | None = None) -> LadderSpec:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"ladder spec {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"ladder spec {path} is not valid YAML: {err}") from err
-    return spec_from_dict(raw, path.stem, out)
+    return spec_from_dict(read_yaml(path, "ladder spec"), path.stem, out)
