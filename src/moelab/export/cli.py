@@ -71,12 +71,13 @@ def _export(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> None:
     from moelab.data.tokenizer import load_tokenizer
     from moelab.errors import UserError
-    from moelab.export.generate import check_sampling, generate_text
+    from moelab.export.generate import check_length_fits, check_sampling, generate_text
 
     check_sampling(args.temperature, args.top_p)
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     model, cfg, _ = _load(args.run_dir)
     tokenizer = load_tokenizer(cfg.data.path)
+    check_length_fits(cfg, len(tokenizer.encode(args.prompt).ids) + 1 + args.max_new_tokens)
     print(args.prompt + generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
                                       args.temperature, args.top_p, args.seed))

@@ -104,10 +104,14 @@ def _finish(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
+    from moelab.errors import UserError
     from moelab.lab.site import write_report
 
+    out = args.out or Path("runs/reports") / args.id
+    if out.exists() and not out.is_dir():  # checked before reading the lab
+        raise UserError(f"--out {out} is a file, not a directory; pass a directory")
     with _open(args, "ro") as store:
-        for path in write_report(store, args.id, args.out or Path("runs/reports") / args.id):
+        for path in write_report(store, args.id, out):
             print(path)
 
 

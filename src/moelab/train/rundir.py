@@ -107,33 +107,62 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
 PLACEMENT = ("mesh.", "distributed.")
 
 
-def check_identity(run_dir: Path, cfg: Config, allow_change: bool,
-                   fallback: tuple[str, dict] | None = None) -> dict[str, tuple]:
+def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, tuple]:
     """Compare `cfg` with the run's config; refuse a change unless `allow_change` (changes
     of placement only, PLACEMENT, are always accepted).
 
-    The run's config is its config.yaml (or newest accepted change); when that file is
-    gone, `fallback` = (where, config dict), the config a checkpoint stored, stands in,
-    so deleting config.yaml never skips the check. Returns the accepted changes ({} for a
-    fresh run or an identical config); the caller saves them with `save_config` once the
-    start has passed every other check and it knows the step they take effect at. Writes
-    nothing, so a refused start leaves the run directory as it was.
+    Returns the accepted changes ({} for a fresh run or an identical config); the caller
+    saves them with `save_config` once the start has passed every other check and it
+    knows the step they take effect at. Writes nothing, so a refused start leaves the
+    run directory as it was.
     """
     path = current_config_path(run_dir)
-    if path.exists():
-        saved, where = read_yaml(path, "run's config"), path.name
-    elif fallback is not None:
-        where, saved = fallback
-    else:
+    if not path.exists():
         return {}
+    return _compare(read_yaml(path, "run's config"), path.name, run_dir, cfg, allow_change)
+
+
+def check_checkpoint_config(run_dir: Path, cfg: Config, allow_change: bool, step: int,
+                            saved: dict[str, Any]) -> dict[str, tuple]:
+    """The config identity check, against the config checkpoint `step` stored.
+
+    With config.yaml deleted, the checkpoint's config is the run's identity (so deleting
+    it never skips the check) and the changes it accepts are returned, as check_identity
+    does. Otherwise the checkpoint's config must be one this run recorded (config.yaml or
+    an accepted change, placement aside): a checkpoint copied in from another run would
+    resume a state other than this run's. Returns {} then.
+    """
+    recorded = [read_yaml(p, "run's config") for p in sorted(Path(run_dir).glob("config*.yaml"))
+                if p.name == CONFIG_FILE or _CHANGED_CONFIG.fullmatch(p.name)]
+    if not recorded:
+        return _compare(saved, f"checkpoint {step} (config.yaml is missing)", run_dir, cfg,
+                        allow_change)
+    if allow_change or any(not _refused(config_changes(r, saved)) for r in recorded
+                           if isinstance(r, dict)):
+        return {}
+    raise ConfigError(f"checkpoint {step} in {run_dir} holds a config that this run never "
+                      f"trained with ({_listed(_refused(config_changes(recorded[-1], saved)))}"
+                      "): it was copied from another run; remove it (checkpoints/"
+                      f"{step}), or pass --allow-config-change to resume from it anyway")
+
+
+def _refused(changes: dict[str, tuple]) -> dict[str, tuple]:
+    return {k: v for k, v in changes.items() if not k.startswith(PLACEMENT)}
+
+
+def _listed(changes: dict[str, tuple], most: int = 20) -> str:
+    listed = "; ".join(f"{k}: run {brief(a)}, now {brief(b)}"
+                       for k, (a, b) in list(changes.items())[:most])
+    return listed + (f" and {len(changes) - most} more" if len(changes) > most else "")
+
+
+def _compare(saved: Any, where: str, run_dir: Path, cfg: Config,
+             allow_change: bool) -> dict[str, tuple]:
     changes = config_changes(saved if isinstance(saved, dict) else {}, config_to_dict(cfg))
-    refused = {k: v for k, v in changes.items() if not k.startswith(PLACEMENT)}
+    refused = _refused(changes)
     if refused and not allow_change:
-        listed = "; ".join(f"{k}: run {brief(a)}, now {brief(b)}" for k, a, b in
-                           ((k, *v) for k, v in list(refused.items())[:20]))
-        more = f" and {len(refused) - 20} more" if len(refused) > 20 else ""
         raise ConfigError(f"the config differs from the run's {where} in {run_dir} "
-                          f"(incompatible config: {listed}{more}); rerun with the run's "
+                          f"(incompatible config: {_listed(refused)}); rerun with the run's "
                           "config, use a new --run-dir, or pass --allow-config-change to "
                           "record the change and continue")
     return changes

@@ -33,8 +33,8 @@ from moelab.train.optimizer import lr_schedule, make_optimizer, trainable
 from moelab.train.rundir import (
     QUARANTINE_DIR,
     RunDirLock,
+    check_checkpoint_config,
     check_identity,
-    current_config_path,
     save_config,
 )
 from moelab.train.runlog import RunLog
@@ -115,10 +115,10 @@ class Trainer:
             self._start_without_checkpoint()
             return 0
         self.model, self.opt_state, meta, step = found
-        if not current_config_path(self.run_dir).exists():  # deleted: the checkpoint's own
-            self.config_changes = check_identity(
-                self.run_dir, self.cfg, self.allow_config_change,
-                (f"checkpoint {step} (config.yaml is missing)", meta["config"]))
+        # Its own config stands in for a deleted config.yaml, and must be this run's.
+        self.config_changes = check_checkpoint_config(
+            self.run_dir, self.cfg, self.allow_config_change, step, meta["config"]
+        ) or self.config_changes
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
             self.detectors[name].load_state_dict(state)
