@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from moelab.schema import int_in
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser(
@@ -25,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus mass to sample from")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     gen.set_defaults(func=_generate)
 
 
