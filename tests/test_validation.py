@@ -353,3 +353,18 @@ def test_a_supervisor_refused_by_the_lock_leaves_worker_pid_alone(root, capsys):
         code, _, err = resume(capsys, "half", "--max-restarts", "1")
     assert code == 2 and "in use by another trainer" in one_line(err)
     assert (root / "half" / WORKER_PID_FILE).read_text() == "12345"
+
+
+@pytest.mark.parametrize("stored", ["[1, 2]", "{not json"])
+def test_lab_record_of_the_wrong_shape_is_one_line(tmp_path, capsys, stored):
+    import sqlite3
+
+    from moelab.lab.store import Store
+
+    lab = tmp_path / "lab.sqlite"
+    with Store(lab) as store:
+        exp = store.new_experiment("q", "h", {"optim": {"lr": 1e-3}}, None)
+    with sqlite3.connect(lab) as db:
+        db.execute("UPDATE experiments SET config = ? WHERE id = ?", (stored, exp))
+    code, _, err = cli(capsys, "lab", "--lab", lab, "show", exp)
+    assert code == 2 and f"experiment {exp}: config" in one_line(err)

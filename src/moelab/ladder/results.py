@@ -17,7 +17,7 @@ from moelab.data.loader import mixture_weights, read_meta
 from moelab.errors import UserError
 from moelab.ladder.spec import LadderSpec, Rung, stable_end
 from moelab.schema import MapOf, Number, read_json, read_yaml
-from moelab.train.metrics import JsonlLog
+from moelab.train.metrics import METRIC_SPEC, JsonlLog
 from moelab.train.rundir import CONFIG_FILE, METRICS_FILE
 
 FINAL_LOSS = ("cross-entropy (nats/token) of the final model over every window of the "
@@ -52,7 +52,7 @@ def run_dir(spec: LadderSpec, rung: Rung) -> Path:
 
 
 def metrics(path: Path) -> list[dict]:
-    return JsonlLog(path / METRICS_FILE).read()
+    return JsonlLog(path / METRICS_FILE, METRIC_SPEC).read()
 
 
 def is_finished(rung: Rung, path: Path) -> bool:

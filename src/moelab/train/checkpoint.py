@@ -9,8 +9,9 @@ and size of every file) is written into the step's directory, and every loader (
 resume, export, generate, ladder) checks it first. A checkpoint whose files do not match,
 or that fails to restore, is reported by step and reason and skipped for the newest good
 one; the trainer also moves it aside to `checkpoints.bad/` (never deleted) so that its
-step can be saved again. Parameters are checked finite before a save, so a divergence is
-never checkpointed.
+step can be saved again. Parameters are checked finite and bounded before a save, so a
+divergence is never checkpointed, and the records read back (integrity, run state) are
+checked for structure as well as bytes: a malformed one is damage too.
 
 Arrays are saved as flat leaf lists: the pytree structure comes from the config, which
 is stored beside them and checked before anything is restored.

@@ -66,6 +66,12 @@ def mfu(cfg: Config, tokens_per_s: float) -> float:
     return tokens_per_s * flops_per_token(cfg) / peak_flops(cfg)
 
 
+# What each line of metrics.jsonl / events.jsonl must hold: their readers (resume, the
+# supervisor, the ladder) index these fields.
+METRIC_SPEC = {"step": int}
+EVENT_SPEC = {"step": int, "kind": str, "message": str}
+
+
 class JsonlLog:
     """Append-only JSON lines, flushed and fsynced per record: a crash loses at most one.
 

@@ -13,12 +13,8 @@ from pathlib import Path
 from moelab.config import config_from_dict, config_to_dict
 from moelab.errors import ConfigError
 from moelab.schema import read_json
-from moelab.train.metrics import JsonlLog
+from moelab.train.metrics import EVENT_SPEC, METRIC_SPEC, JsonlLog
 from moelab.train.rundir import EVENTS_FILE, LAB_RUN_FILE, METRICS_FILE, config_changes
-
-# What each line of the logs must hold: readers (resume, supervisor, ladder) use these.
-METRIC_SPEC = {"step": int}
-EVENT_SPEC = {"step": int, "kind": str, "message": str}
 
 
 class RunLog:
