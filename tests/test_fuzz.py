@@ -51,7 +51,7 @@ def targets(root: Path) -> list[str]:
     run = root / "half"
     files = [p for p in run.rglob("*") if p.is_file() and "history-" not in str(p)]
     files += [run / "checkpoints" / "8", root / "config.yaml"]
-    files += [p for p in (root / "data").rglob("*") if p.suffix in (".json", ".npy")]
+    files += [p for p in (root / "data").rglob("*") if p.suffix in (".json", ".npy", ".parquet")]
     return sorted(str(p.relative_to(root)) for p in files)
 
 

@@ -44,8 +44,10 @@ from moelab.train.rundir import CHECKPOINT_DIR, QUARANTINE_DIR
 INTEGRITY_FILE = "integrity.json"
 # The shapes the loaders rely on; a checkpoint whose records differ is damaged.
 INTEGRITY_SPEC = {"files": MapOf({"size": int, "sha256": str})}
-META_SPEC = {"config": {"model": dict, "moe": dict}, "step": int,
-             "loader": {"step": int}, "seed": int,
+# What every reader needs of the run state (export, generate: the config), and what
+# resuming training needs.
+CONFIG_SPEC = {"config": {"model": dict, "moe": dict}}
+META_SPEC = {**CONFIG_SPEC, "step": int, "loader": {"step": int}, "seed": int,
              "detectors": MapOf({"history": [Number], "run_length": int})}
 T = TypeVar("T")
 
@@ -220,22 +222,24 @@ class Checkpointer:
             raise OSError(errno.ENOSPC, f"no space left on the device while saving checkpoint "
                           f"{step} to {self.directory}") from err
 
-    def read_meta(self, step: int) -> dict:
-        """The run state saved with `step`, checked: its structure (META_SPEC) and that the
+    def read_meta(self, step: int, spec: Any = CONFIG_SPEC) -> dict:
+        """The run state saved with `step`, checked: its structure (`spec`) and that the
         step stored inside equals the directory's (a renamed or swapped directory would
         otherwise resume, and log, as another step than the one it holds)."""
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"]
         where = self.directory / str(step) / "meta"
-        check(meta, META_SPEC, where)
-        if meta["step"] != step or meta["loader"]["step"] != step:
-            raise SchemaError(where, f"stores step {meta['step']} (loader step "
-                                     f"{meta['loader']['step']}), but its directory is {step}")
+        check(meta, spec, where)
+        stored = {meta.get("step", step), (meta.get("loader") or {}).get("step", step)}
+        if stored != {step}:
+            shown = " and ".join(brief(s, 20) for s in sorted(stored, key=str))
+            raise SchemaError(where, f"stores step {shown}, but its directory is {step}")
         return meta
 
-    def restore(self, step: int, model, opt_state, cfg: Config):
-        """(model, opt_state, run_state) at `step`, laid out like the given templates."""
-        meta = self.read_meta(step)
+    def restore(self, step: int, model, opt_state, cfg: Config, spec: Any = CONFIG_SPEC):
+        """(model, opt_state, run_state) at `step`, laid out like the given templates;
+        `spec`: what the run state must hold (META_SPEC to resume training)."""
+        meta = self.read_meta(step, spec)
         mismatches = shape_mismatches(meta["config"], cfg)
         if mismatches:
             raise UserError(
@@ -256,7 +260,8 @@ class Checkpointer:
     def restore_latest_good(self, model, opt_state, cfg: Config):
         """(model, opt_state, run_state, step) of the newest checkpoint that verifies and
         restores; None when the run has no checkpoint yet."""
-        return self.newest_good(lambda step: (*self.restore(step, model, opt_state, cfg), step))
+        return self.newest_good(
+            lambda step: (*self.restore(step, model, opt_state, cfg, META_SPEC), step))
 
     def newest_good(self, load: Callable[[int], T]) -> T | None:
         """`load(step)` of the newest checkpoint that verifies and loads, reporting (and for
