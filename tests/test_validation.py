@@ -368,3 +368,9 @@ def test_lab_record_of_the_wrong_shape_is_one_line(tmp_path, capsys, stored):
         db.execute("UPDATE experiments SET config = ? WHERE id = ?", (stored, exp))
     code, _, err = cli(capsys, "lab", "--lab", lab, "show", exp)
     assert code == 2 and f"experiment {exp}: config" in one_line(err)
+
+
+def test_damaged_tokenizer_is_one_line(root, capsys):
+    (root / "data/tokenizer.json").write_text('{"model": 1}')
+    code, _, err = cli(capsys, "generate", "--run-dir", "full", "--max-new-tokens", "1")
+    assert code == 2 and "tokenizer.json: not a tokenizer file" in one_line(err)
