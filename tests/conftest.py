@@ -197,3 +197,60 @@ def write_corpus(root: Path, name: str, n_docs: int, n_words: int, seed: int) ->
     for i in range(n_docs):
         (root / name / f"doc{i:03d}.txt").write_text(words_text(rng, n_words))
     return str(root / name / "*.txt")
+
+
+# ------------------------------------------------------------------------- run dirs
+
+FUZZ_STEPS, FUZZ_EVERY = 16, 4  # checkpoints at 4, 8, 12, 16, all kept
+
+
+@pytest.fixture(scope="session")
+def small_runs(tmp_path_factory, small_corpus) -> Path:
+    """A root directory holding a copy of the small corpus (`data/`), a config naming it by
+    the relative path `data` (`config.yaml`), and three runs of it: `full`, 16 steps;
+    `other`, the same with train.seed 1; `half`, `full` as a crash after step 8 leaves it
+    (checkpoints 4 and 8, metrics and events to step 8). Tests copy the root and work in
+    the copy (chdir'd into it), so each one gets its own dataset and runs."""
+    import shutil
+
+    import jax
+
+    from moelab.config import config_from_dict
+    from moelab.train.metrics import JsonlLog
+    from moelab.train.trainer import train
+
+    jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    root = tmp_path_factory.mktemp("runs")
+    shutil.copytree(small_corpus, root / "data")
+    raw = tiny_config(Path("data"), train={"steps": FUZZ_STEPS, "checkpoint_every": FUZZ_EVERY,
+                                           "keep_checkpoints": 4, "eval_every": 8})
+    (root / "config.yaml").write_text(yaml.safe_dump(raw))
+    cwd = Path.cwd()
+    os.chdir(root)
+    try:
+        train(config_from_dict(raw), root / "full")
+        raw["train"]["seed"] = 1
+        train(config_from_dict(raw), root / "other")
+    finally:
+        os.chdir(cwd)
+    half = root / "half"
+    shutil.copytree(root / "full", half)
+    for step in (12, 16):
+        shutil.rmtree(half / "checkpoints" / str(step))
+    for name in ("metrics.jsonl", "events.jsonl"):
+        log = JsonlLog(half / name)
+        if log.path.exists():
+            log.truncate_after(8)
+    return root
+
+
+def copy_runs(small_runs: Path, tmp_path: Path, monkeypatch) -> Path:
+    """A private copy of `small_runs`, made the working directory."""
+    import shutil
+
+    root = tmp_path / "root"
+    shutil.copytree(small_runs, root)
+    monkeypatch.chdir(root)
+    return root

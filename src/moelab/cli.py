@@ -19,6 +19,7 @@ from moelab.errors import (
     Interrupted,
     UserError,
 )
+from moelab.schema import bounded
 
 PARTS = [
     "moelab.data.cli",
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (UserError, FileNotFoundError) as err:  # ConfigError is a UserError
-        print(f"moelab {args.command}: error: {err}", file=sys.stderr)
+        # One bounded line: a message may quote a value read from a file of any size.
+        print(bounded(f"moelab {args.command}: error: {err}"), file=sys.stderr)
         return EXIT_USER_ERROR
     except Interrupted as stop:  # a stop that saved its work (the ladder's runs, say)
         print(stop, file=sys.stderr)

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from moelab.errors import ConfigError
+from moelab.schema import SchemaError, brief, read_yaml
 from moelab.train.plan import StageConfig, build_plan
 
 
@@ -261,12 +262,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         return value
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of fields, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping of fields, got {brief(value)}")
         return _build(annotation, value, where)
     if origin is Literal:
         allowed = typing.get_args(annotation)
         if value not in allowed:
-            raise ConfigError(f"{where}: {value!r} is not one of {list(allowed)}")
+            raise ConfigError(f"{where}: {brief(value)} is not one of {list(allowed)}")
         return value
     if origin is list:
         (item_type,) = typing.get_args(annotation)
@@ -276,7 +277,7 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if origin is dict:
         key_type, value_type = typing.get_args(annotation)
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {brief(value)}")
         return {
             _coerce(k, key_type, f"{where} key"): _coerce(v, value_type, f"{where}.{k}")
             for k, v in value.items()
@@ -287,18 +288,18 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 return _coerce(value, option, where)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where}: {value!r} matches none of {annotation}")
+        raise ConfigError(f"{where}: {brief(value)} matches none of {annotation}")
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if annotation is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
         return float(value)  # "1e30": YAML 1.1 wants a dot in exponent floats; people don't
     if annotation is type(None):
         if value is not None:
-            raise ConfigError(f"{where}: expected null, got {value!r}")
+            raise ConfigError(f"{where}: expected null, got {brief(value)}")
         return value
     if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
         raise ConfigError(
-            f"{where}: expected {annotation.__name__}, got {type(value).__name__} {value!r}"
+            f"{where}: expected {annotation.__name__}, got {type(value).__name__} {brief(value)}"
         )
     return value
 
@@ -322,7 +323,7 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Build and validate a Config from a plain dict (e.g. parsed YAML)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"config: expected a mapping at the top level, got {raw!r}")
+        raise ConfigError(f"config: expected a mapping at the top level, got {brief(raw)}")
     config = _build(Config, raw, "")
     validate(config)
     return config
@@ -350,16 +351,15 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {path} is not text (a binary file?); pass a YAML "
-                          "config") from None
-    except yaml.YAMLError as err:
-        problem = " ".join(str(err).split())
-        raise ConfigError(f"config file {path} is not valid YAML: {problem}") from None
+        raw = read_yaml(path, "config file")
+    except SchemaError as err:
+        raise ConfigError(f"{err}; pass a YAML config") from None
     if raw is None:
         raise ConfigError(f"config file {path} is empty; write the fields to change (or {{}} "
                           "for every default) in it")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of sections at the top "
+                          f"level, got {brief(raw)}")
     for dotted, value in (overrides or {}).items():
         set_dotted(raw, dotted, value)
     return config_from_dict(raw)

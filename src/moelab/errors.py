@@ -7,7 +7,9 @@ without parsing messages:
     0    finished
     1    failed for another reason (the supervisor gave up; a checkpoint failed verify)
     2    bad input: the one-line message names the cause and the fix (UserError)
-    3    training diverged (non-finite loss, gradient or parameters); nothing bad was saved
+    3    training diverged (a non-finite loss or gradient, or a save refused as implausible:
+         loss above 3 ln(vocab), spike-rule divergence, parameters out of bound); nothing
+         bad was saved
     130  stopped by SIGTERM/SIGINT after saving a checkpoint; rerun the command to resume
 """
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from moelab.errors import UserError
+from moelab.schema import brief, int_in
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,14 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="share of each source's documents held out for validation")
     prepare.add_argument("--min-chars", type=int, default=200,
                          help="shorter documents are dropped as too_short")
-    prepare.add_argument("--max-docs", type=int, default=None,
+    prepare.add_argument("--max-docs", type=int_in(1), default=None,
                          help="documents per source at most (a reproducible sample)")
     prepare.add_argument("--quality", action="append", default=[], metavar="SCORE=MIN:MAX",
                          help="override a quality threshold, either bound may be empty "
                          "(word_count=20:, dup_5gram_fraction=:0.3, word_count=: turns it off)")
-    prepare.add_argument("--shard-docs", type=int, default=None,
+    prepare.add_argument("--shard-docs", type=int_in(1), default=None,
                          help="documents per shard (default 32; small corpora: 2 tasks/worker)")
-    prepare.add_argument("--workers", type=int, default=None,
+    prepare.add_argument("--workers", type=int_in(1), default=None,
                          help="local processes (default: one per CPU)")
     prepare.add_argument("--ray", action="store_true",
                          help="run the stages with Ray Data on the cluster RAY_ADDRESS names "
@@ -72,9 +74,11 @@ def parse_quality(specs: list[str]) -> dict[str, list[float | None]]:
             if not (sep and colon):
                 raise ValueError
             thresholds[name] = [float(b) if b else None for b in (low, high)]
+            if not all(math.isfinite(b) for b in thresholds[name] if b is not None):
+                raise ValueError
         except ValueError:
-            raise UserError(f"--quality expects SCORE=MIN:MAX (a bound may be empty), "
-                            f"got {spec!r}") from None
+            raise UserError(f"--quality expects SCORE=MIN:MAX (finite numbers; a bound may "
+                            f"be empty), got {brief(spec)}") from None
     return thresholds
 
 

@@ -10,16 +10,19 @@ the step, and the state saved with a checkpoint is a small dict.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from moelab.data.shards import shard_path
 from moelab.errors import UserError
+from moelab.schema import MapOf, SchemaError, brief, load_tokens, read_json
 
 META_FILE = "meta.json"  # written last by prepare: its presence marks a complete dataset
 SPLITS = ("train", "val")
+# What the loader (and trainer, ladder, stats) read from meta.json.
+META_SPEC = {"vocab_size": int, "eos_id": int, "sources": [str],
+             "train_tokens": MapOf(int), "val_tokens": MapOf(int)}
 VAL_SEED = 20240601  # val windows ignore the run's seed: every run is scored on the same text
 
 
@@ -31,7 +34,16 @@ def read_meta(data_dir: str | Path) -> dict:
             f"{data_dir} is not a prepared dataset (no {META_FILE}; an interrupted prepare "
             f"leaves none); run `moelab data prepare --out {data_dir}`"
         )
-    return json.loads(path.read_text())
+    meta = read_json(path, META_SPEC)
+    for split in SPLITS:
+        missing = sorted(set(meta["sources"]) - set(meta[f"{split}_tokens"]))
+        if missing:
+            raise SchemaError(path, f"{split}_tokens lacks source(s) {brief(missing)}; "
+                                    "re-prepare the dataset")
+    if not 0 <= meta["eos_id"] < meta["vocab_size"]:
+        raise SchemaError(path, f"eos_id {meta['eos_id']} is outside the vocabulary of "
+                                f"{meta['vocab_size']}; re-prepare the dataset")
+    return meta
 
 
 def mixture_weights(meta: dict, split: str, mixture: dict[str, float]) -> np.ndarray:
@@ -94,8 +106,14 @@ class Loader(Batches):
         self.sources: list[str] = list(self.meta["sources"])
         self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch_size, seed
         self.weights = mixture_weights(self.meta, split, mixture or {})
-        self.streams = [np.load(shard_path(data_dir, s, split), mmap_mode="r")
+        self.streams = [load_tokens(shard_path(data_dir, s, split), f"{split} stream of {s}")
                         for s in self.sources]
+        vocab = self.meta["vocab_size"]
+        for source, stream in zip(self.sources, self.streams, strict=True):
+            # the extremes of a memory map are a pass over it: once per start, not per batch
+            if len(stream) and not 0 <= int(stream.min()) <= int(stream.max()) < vocab:
+                raise SchemaError(shard_path(data_dir, source, split),
+                                  f"holds token ids outside [0, {vocab}); re-prepare the dataset")
         self.windows = np.array([max(0, (len(t) - 1) // seq_len) for t in self.streams])
         too_short = [s for s, w, n in zip(self.sources, self.weights, self.windows, strict=True)
                      if w > 0 and n == 0]

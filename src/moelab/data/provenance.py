@@ -20,6 +20,7 @@ import pyarrow as pa
 from moelab.data.quality import SCORES
 from moelab.data.shards import read_table
 from moelab.errors import UserError
+from moelab.schema import SchemaError, bounded, brief
 
 MANIFEST_DIR = "manifest"
 QUALITY_TYPE = pa.struct([(name, pa.float64()) for name in SCORES])
@@ -42,7 +43,7 @@ def read_manifest(data_dir: str | Path) -> Iterator[dict]:
         raise UserError(f"{Path(data_dir) / MANIFEST_DIR} is missing; run "
                         f"`moelab data prepare --out {data_dir}`")
     for shard in shards:
-        for record in read_table(shard).to_pylist():
+        for record in _manifest_table(shard).to_pylist():
             record["quality"] = {k: v for k, v in (record["quality"] or {}).items()
                                  if v is not None}
             yield record
@@ -57,6 +58,23 @@ def content_sha256(records: Iterable[dict]) -> str:
     for record in records:
         digest.update(f"{record['source']}\t{record['path']}\t{record['sha256']}\n".encode())
     return digest.hexdigest()
+
+
+def _manifest_table(shard: Path):
+    """One manifest shard, refused in one line when it is not the parquet table prepare
+    wrote (a damaged or replaced file)."""
+    try:
+        table = read_table(shard)
+    except (pa.ArrowException, OSError) as err:
+        raise SchemaError(shard, f"not a readable manifest shard ({bounded(str(err), 160)}); "
+                                 "re-prepare the dataset") from None
+    have = {field.name: field.type for field in table.schema}
+    wrong = [f"{f.name} ({have.get(f.name, 'missing')})" for f in MANIFEST_SCHEMA
+             if have.get(f.name) != f.type]
+    if wrong:
+        raise SchemaError(shard, f"manifest columns of the wrong type: {brief(wrong)}; "
+                                 "re-prepare the dataset")
+    return table
 
 
 def reason_kind(reason: str) -> str:

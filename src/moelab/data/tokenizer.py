@@ -12,6 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moelab.errors import UserError
+from moelab.schema import SchemaError, bounded
 
 EOS = "<|endoftext|>"  # ends every document in the packed token streams
 TOKENIZER_FILE = "tokenizer.json"
@@ -39,4 +40,8 @@ def load_tokenizer(data_dir: str | Path) -> Tokenizer:
     path = Path(data_dir) / TOKENIZER_FILE
     if not path.is_file():
         raise UserError(f"{path} is missing; run `moelab data prepare --out {data_dir}`")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises bare Exception
+        raise SchemaError(path, f"not a tokenizer file ({bounded(str(err), 160)}); re-prepare "
+                                "the dataset") from None

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from moelab.config import data_dir
+from moelab.schema import int_in
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--temperature", type=float, default=0.8,
                      help="softmax temperature; 0 = greedy")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus mass to sample from")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
+    gen.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
+                     help="sampling seed (same seed, same text)")
     gen.set_defaults(func=_generate)
 
 
@@ -101,13 +103,14 @@ def _export(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> None:
     from moelab.data.tokenizer import load_tokenizer
     from moelab.errors import UserError
-    from moelab.export.generate import check_sampling, generate_text
+    from moelab.export.generate import check_length_fits, check_sampling, generate_text
 
     check_sampling(args.temperature, args.top_p)
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     model, cfg, _ = _load(args.run_dir)
     tokenizer = load_tokenizer(data_dir(cfg.data.path))
+    check_length_fits(cfg, len(tokenizer.encode(args.prompt).ids) + 1 + args.max_new_tokens)
     print(args.prompt + generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
                                       args.temperature, args.top_p, args.seed))
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from moelab.config import ConfigError
+from moelab.config import Config, ConfigError
 from moelab.model import Transformer
 from moelab.model.moe import MoE
 
@@ -71,6 +71,25 @@ def sample_token(
 
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this ...
 CACHE_BUCKET = 64  # ... and caches rounded up to one of this, so few shapes get compiled
+
+
+def check_length_fits(cfg: Config, n_tokens: int) -> None:
+    """Refuse, before allocating, a generation whose KV cache cannot fit beside the model in
+    one device's memory (a cache of n_layers x 2 x n_tokens x n_kv_heads x head_dim f32
+    values): otherwise a large --max-new-tokens ends in an out-of-memory traceback."""
+    from moelab.train.memory import BYTES, available_bytes
+    from moelab.train.metrics import total_params
+
+    m = cfg.model
+    cache = 2 * m.n_layers * _round_up(n_tokens, CACHE_BUCKET) * m.n_kv_heads * \
+        m.resolved_head_dim * BYTES
+    need, have = cache + BYTES * total_params(cfg), available_bytes()
+    if need > have:
+        most = (have - BYTES * total_params(cfg)) // (2 * m.n_layers * m.n_kv_heads
+                                                      * m.resolved_head_dim * BYTES)
+        raise ConfigError(f"generating {n_tokens} tokens needs {need / 2**30:.1f} GiB for the "
+                          f"model and its KV cache, the device has {have / 2**30:.1f} GiB; "
+                          f"ask for at most about {max(most, 0)} tokens")
 
 
 def _round_up(n: int, multiple: int) -> int:

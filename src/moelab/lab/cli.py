@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
 from moelab.config import load_config
 from moelab.lab.records import ENDED, current_git_commit
 from moelab.lab.store import Store, default_lab_path
+from moelab.schema import read_yaml
 from moelab.train.cli import PRESETS, config_path
 
 
@@ -101,7 +100,7 @@ def _open(args: argparse.Namespace, mode: Literal["rwc", "rw", "ro"]) -> Store:
 def _new(args: argparse.Namespace) -> None:
     path = config_path(args.config)
     load_config(path)  # refuse a config that could not run
-    snapshot = yaml.safe_load(path.read_text()) or {}
+    snapshot = read_yaml(path, "config") or {}
     with _open(args, "rwc") as store:
         print(store.new_experiment(args.name, args.hypothesis, snapshot, current_git_commit()))
 
@@ -166,10 +165,14 @@ def _predict(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
+    from moelab.errors import UserError
     from moelab.lab.site import write_report
 
+    out = args.out or Path("runs/reports") / args.id
+    if out.exists() and not out.is_dir():  # checked before reading the lab
+        raise UserError(f"--out {out} is a file, not a directory; pass a directory")
     with _open(args, "ro") as store:
-        for path in write_report(store, args.id, args.out or Path("runs/reports") / args.id):
+        for path in write_report(store, args.id, out):
             print(path)
 
 

@@ -30,6 +30,7 @@ from moelab.lab.records import (
     check_scoring,
     check_transition,
 )
+from moelab.schema import SchemaError, check
 
 SCHEMA_VERSION = 1
 
@@ -337,10 +338,16 @@ def _next_id(db: sqlite3.Connection, table: str, prefix: str) -> str:
 
 
 def _record(cls: type, row: sqlite3.Row) -> Any:
+    """A record from its row; its JSON columns must hold mappings (a hand-edited database
+    is refused in one line, not a traceback wherever the value is used)."""
     values = dict(row)
     for key in ("config", "details"):
         if key in values:
-            values[key] = json.loads(values[key])
+            where = f"{cls.__name__.lower()} {values.get('id', '?')}: {key}"
+            try:
+                values[key] = check(json.loads(values[key]), dict, "the lab database", where)
+            except (ValueError, TypeError):
+                raise SchemaError("the lab database", f"{where} is not JSON") from None
     return cls(**values)
 
 

@@ -19,9 +19,12 @@ from typing import Any
 
 from moelab.config import Config, config_to_dict
 from moelab.errors import UserError
+from moelab.schema import read_json
 
 PREREG_FILE = "preregistration.json"
 KIND = "moelab.ladder.preregistration/1"
+_RUN = {"name": str, "config_sha256": str}
+PREREG_SPEC = {"kind": str, "sha256": str, "rungs": [_RUN], "target": _RUN}
 
 
 def config_sha256(config: Config) -> str:
@@ -78,8 +81,8 @@ def write_once(path: Path, record: dict[str, Any]) -> bool:
 def read(path: Path) -> dict[str, Any]:
     """The record at `path`, checked against its own sha256."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        record = read_json(path, PREREG_SPEC)
+    except OSError as err:
         raise UserError(f"cannot read the pre-registration {path}: {err}") from err
     if record.get("kind") != KIND or record.get("sha256") != record_sha256(record):
         raise UserError(f"{path} does not match its own sha256: the pre-registration was "

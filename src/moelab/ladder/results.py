@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from moelab.config import ConfigError, config_from_dict, config_to_dict, data_dir
 from moelab.data.loader import mixture_weights, read_meta
 from moelab.errors import UserError
 from moelab.ladder.spec import LadderSpec, Rung, stable_end
-from moelab.train.metrics import JsonlLog
+from moelab.schema import MapOf, Number, read_json, read_yaml
+from moelab.train.metrics import METRIC_SPEC, JsonlLog
 from moelab.train.rundir import CONFIG_FILE, METRICS_FILE
 
 FINAL_LOSS = ("cross-entropy (nats/token) of the final model over every window of the "
@@ -29,6 +29,7 @@ FINAL_BPB = ("bits per byte of the final model over every window of the validati
 # fit.metric -> what the ladder fits and predicts; "loss" is the default
 METRICS = {"loss": FINAL_LOSS, "bpb_macro": FINAL_BPB}
 TIMINGS_FILE = "timings.json"
+TIMINGS_SPEC = MapOf({"wall_s": Number, "cpu_s": Number})
 VAL_PREFIX = "val_loss/"
 BPB_PREFIX, BPB_MACRO = "val_bpb/", "val_bpb_macro"
 
@@ -58,7 +59,7 @@ def run_dir(spec: LadderSpec, rung: Rung) -> Path:
 
 
 def metrics(path: Path) -> list[dict]:
-    return JsonlLog(path / METRICS_FILE).read()
+    return JsonlLog(path / METRICS_FILE, METRIC_SPEC).read()
 
 
 def is_finished(rung: Rung, path: Path) -> bool:
@@ -72,7 +73,8 @@ def check_run_dir(rung: Rung, path: Path) -> None:
     saved = path / CONFIG_FILE
     if not saved.exists():
         return
-    raw = yaml.safe_load(saved.read_text())
+    raw = read_yaml(saved, "run's config")
+    raw = raw if isinstance(raw, dict) else {}
     try:
         same = config_from_dict(raw) == rung.config
     except ConfigError:
@@ -138,7 +140,7 @@ def add_time(out: Path, name: str, wall_s: float, cpu_s: float) -> None:
     path = out / TIMINGS_FILE
     with open(out / (TIMINGS_FILE + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        spent = json.loads(path.read_text()) if path.exists() else {}
+        spent = read_json(path, TIMINGS_SPEC) if path.exists() else {}
         before = spent.get(name, {"wall_s": 0.0, "cpu_s": 0.0})
         spent[name] = {"wall_s": before["wall_s"] + wall_s, "cpu_s": before["cpu_s"] + cpu_s}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -151,4 +153,4 @@ def timings(out: Path) -> dict[str, dict[str, float]]:
     `ladder run` invocations. CPU seconds count all cores, and unlike wall time do not grow
     when other work shares the machine."""
     path = out / TIMINGS_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_json(path, TIMINGS_SPEC) if path.exists() else {}

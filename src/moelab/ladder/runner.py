@@ -66,7 +66,11 @@ def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
     print(f"{head}: training {rung.config.train.steps} steps{resuming}", flush=True)
     started, cpu = time.time(), time.process_time()
     trainer.prepared_data(rung.config)
-    trainer.train(rung.config, path, experiment, evaluator=make_evaluator(rung.config))
+    # A branch resumes its parent's checkpoint under its own schedule: a config change
+    # at the branch step, accepted and recorded (the checkpoint's config is the parent's;
+    # check_run_dir above has already refused a run dir holding another config).
+    trainer.train(rung.config, path, experiment, allow_config_change=bool(rung.parent),
+                  evaluator=make_evaluator(rung.config))
     elapsed = time.time() - started
     add_time(spec.out, rung.name, elapsed, time.process_time() - cpu)
     done = result(rung, path, spec.fit.metric)

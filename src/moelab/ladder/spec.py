@@ -36,9 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from moelab.config import Config, ConfigError, config_from_dict, config_to_dict, preset_or_file
+from moelab.schema import brief, read_yaml
 from moelab.train.metrics import active_params, flops_per_token, total_params
 from moelab.train.optimizer import width_factor
 
@@ -152,7 +151,7 @@ def _int_list(raw: Any, where: str, minimum: int = 0) -> list[int]:
     if not isinstance(raw, list) or not raw or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in raw):
         raise ConfigError(f"{where}: expected a non-empty list of integers >= {minimum}, "
-                          f"got {raw!r}")
+                          f"got {brief(raw)}")
     if len(set(raw)) != len(raw):
         raise ConfigError(f"{where}: {raw!r} lists a value twice")
     return list(raw)
@@ -206,7 +205,7 @@ def _expand_rung(raw: Any, base: dict[str, Any], where: str, default_name: str,
                  seeds: list[int] | None, evals: int) -> list[Rung]:
     """A rung's runs: one per seed, each followed by its cooldown branches."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping of config sections, got {raw!r}")
+        raise ConfigError(f"{where}: expected a mapping of config sections, got {brief(raw)}")
     raw = dict(raw)
     name = raw.pop("name", default_name)
     if not isinstance(name, str) or not NAME.match(name):
@@ -240,7 +239,7 @@ def _fit_options(raw: Any) -> FitOptions:
     if raw is None:
         return FitOptions()
     if not isinstance(raw, dict):
-        raise ConfigError(f"fit: expected a mapping, got {raw!r}")
+        raise ConfigError(f"fit: expected a mapping, got {brief(raw)}")
     names = {f.name for f in dataclasses.fields(FitOptions)}
     unknown = sorted(set(raw) - names)
     if unknown:
@@ -267,7 +266,7 @@ def _lr_runs(raw: Any, rungs: tuple[Rung, ...]) -> tuple[Rung, ...]:
         return ()
     if not isinstance(raw, dict) or set(raw) != {"rungs", "factors"}:
         raise ConfigError(f"lr_check: expected {{rungs: [names], factors: [numbers]}}, "
-                          f"got {raw!r}")
+                          f"got {brief(raw)}")
     factors = raw["factors"]
     if not isinstance(factors, list) or not factors or not all(
             isinstance(f, int | float) and f > 0 and f != 1 for f in factors):
@@ -318,7 +317,7 @@ def validate_compute(rungs: tuple[Rung, ...], target: Rung) -> None:
 def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> LadderSpec:
     """Build and validate a spec; `out` overrides the spec's own out."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"ladder spec: expected a mapping at the top level, got {raw!r}")
+        raise ConfigError(f"ladder spec: expected a mapping at the top level, got {brief(raw)}")
     unknown = sorted(set(raw) - SPEC_KEYS)
     if unknown:
         raise ConfigError(f"ladder spec: unknown key(s) {unknown}; valid keys are "
@@ -369,8 +368,4 @@ def load_spec(path: str | Path, out: str | Path | None = None) -> LadderSpec:
     path = preset_or_file(path, presets, "ladder spec")
     if not path.is_file():
         raise ConfigError(f"ladder spec {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"ladder spec {path} is not valid YAML: {err}") from err
-    return spec_from_dict(raw, path.stem, out)
+    return spec_from_dict(read_yaml(path, "ladder spec"), path.stem, out)

@@ -9,8 +9,9 @@ and size of every file) is written into the step's directory, and every loader (
 resume, export, generate, ladder) checks it first. A checkpoint whose files do not match,
 or that fails to restore, is reported by step and reason and skipped for the newest good
 one; the trainer also moves it aside to `checkpoints.bad/` (never deleted) so that its
-step can be saved again. Parameters are checked finite before a save, so a divergence is
-never checkpointed.
+step can be saved again. Parameters are checked finite and bounded before a save, so a
+divergence is never checkpointed, and the records read back (integrity, run state) are
+checked for structure as well as bytes: a malformed one is damage too.
 
 Arrays are saved as flat leaf lists: the pytree structure comes from the config, which
 is stored beside them and checked before anything is restored.
@@ -38,9 +39,17 @@ import orbax.checkpoint as ocp
 from moelab.config import Config, config_from_dict, config_to_dict
 from moelab.errors import DivergenceError, UserError
 from moelab.parallel.mesh import is_tensor  # arrays or their shapes: restore templates
+from moelab.schema import MapOf, Number, SchemaError, brief, check, read_json
 from moelab.train.rundir import CHECKPOINT_DIR, QUARANTINE_DIR
 
 INTEGRITY_FILE = "integrity.json"
+# The shapes the loaders rely on; a checkpoint whose records differ is damaged.
+INTEGRITY_SPEC = {"files": MapOf({"size": int, "sha256": str})}
+# What every reader needs of the run state (export, generate: the config), and what
+# resuming training needs.
+CONFIG_SPEC = {"config": {"model": dict, "moe": dict}}
+META_SPEC = {**CONFIG_SPEC, "step": int, "loader": {"step": int}, "seed": int,
+             "detectors": MapOf({"history": [Number], "run_length": int})}
 T = TypeVar("T")
 
 # Fields whose change alters parameter shapes: a checkpoint is only loadable if they match.
@@ -53,8 +62,8 @@ SHAPE_FIELDS = {
 
 def shape_mismatches(saved: dict, cfg: Config) -> list[str]:
     now = config_to_dict(cfg)
-    return [f"{section}.{name}: checkpoint {saved[section].get(name)!r}, "
-            f"config {now[section][name]!r}"
+    return [f"{section}.{name}: checkpoint {brief(saved[section].get(name))}, "
+            f"config {brief(now[section][name])}"
             for section, names in SHAPE_FIELDS.items() for name in names
             if saved.get(section, {}).get(name) != now[section][name]]
 
@@ -90,11 +99,11 @@ def write_integrity(step_dir: Path) -> None:
 def verify_step(step_dir: Path) -> str | None:
     """Why the checkpoint in `step_dir` cannot be trusted, or None when every file matches."""
     try:
-        record = json.loads((step_dir / INTEGRITY_FILE).read_text())["files"]
+        record = read_json(step_dir / INTEGRITY_FILE, INTEGRITY_SPEC)["files"]
     except FileNotFoundError:
         return "no integrity record (its save never completed)"
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-        return f"integrity record unreadable ({type(err).__name__})"
+    except SchemaError as err:
+        return f"integrity record malformed ({err.problem})"
     present = _files(step_dir)
     for name, want in record.items():
         path = present.get(name)
@@ -125,6 +134,24 @@ def count_nonfinite(arrays: Any) -> tuple[int, int]:
         return 0, 0
     finite = jax.device_get(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
     return int((~finite).sum()), len(leaves)
+
+
+def max_abs(arrays: Any) -> float:
+    """The largest |x| over the float leaves of a pytree (NaN if any is NaN)."""
+    leaves = [x for x in jax.tree.leaves(arrays) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        return 0.0
+    return float(jax.device_get(jnp.stack([jnp.abs(x).max().astype(jnp.float32)
+                                           for x in leaves]).max()))
+
+
+def param_bound(arrays: Any) -> float:
+    """Largest parameter magnitude a checkpoint may hold: sqrt(float32 max / n), n the
+    parameter count. Norms, grad clipping and weight decay sum squares over all n
+    parameters in float32; past this bound that sum can overflow to inf, so such a model
+    is one step from non-finite. Trained weights are O(1), many orders of magnitude below."""
+    n = sum(int(x.size) for x in jax.tree.leaves(arrays))
+    return float(jnp.sqrt(jnp.finfo(jnp.float32).max / max(n, 1)))
 
 
 # ------------------------------------------------------------------------- checkpointer
@@ -189,12 +216,17 @@ class Checkpointer:
         arrays = {"params": jax.tree.leaves(eqx.filter(model, eqx.is_array)),
                   "opt": jax.tree.leaves(opt_state)}
         bad, total = count_nonfinite(arrays)
-        if bad:
+        largest, bound = max_abs(arrays["params"]), param_bound(arrays["params"])
+        if bad or largest > bound:
             last = self.latest_step()
             kept = "no checkpoint was saved before" if last is None else \
                 f"checkpoint {last} stays the last good one"
-            raise DivergenceError(f"{bad} of {total} parameter/optimizer arrays are non-finite "
-                                  f"after the update of step {step}; not saving them, {kept}")
+            what = (f"{bad} of {total} parameter/optimizer arrays are non-finite" if bad else
+                    f"a parameter has magnitude {largest:.3g}, above the bound {bound:.3g} "
+                    "(sqrt(float32 max / parameter count): beyond it a sum of squares over "
+                    "the model overflows)")
+            raise DivergenceError(f"{what} after the update of step {step}; not saving them, "
+                                  f"{kept}")
         try:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(run_state)))
@@ -209,13 +241,24 @@ class Checkpointer:
             raise OSError(errno.ENOSPC, f"no space left on the device while saving checkpoint "
                           f"{step} to {self.directory}") from err
 
-    def read_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+    def read_meta(self, step: int, spec: Any = CONFIG_SPEC) -> dict:
+        """The run state saved with `step`, checked: its structure (`spec`) and that the
+        step stored inside equals the directory's (a renamed or swapped directory would
+        otherwise resume, and log, as another step than the one it holds)."""
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
             "meta"]
+        where = self.directory / str(step) / "meta"
+        check(meta, spec, where)
+        stored = {meta.get("step", step), (meta.get("loader") or {}).get("step", step)}
+        if stored != {step}:
+            shown = " and ".join(brief(s, 20) for s in sorted(stored, key=str))
+            raise SchemaError(where, f"stores step {shown}, but its directory is {step}")
+        return meta
 
-    def restore(self, step: int, model, opt_state, cfg: Config):
-        """(model, opt_state, run_state) at `step`, laid out like the given templates."""
-        meta = self.read_meta(step)
+    def restore(self, step: int, model, opt_state, cfg: Config, spec: Any = CONFIG_SPEC):
+        """(model, opt_state, run_state) at `step`, laid out like the given templates;
+        `spec`: what the run state must hold (META_SPEC to resume training)."""
+        meta = self.read_meta(step, spec)
         mismatches = shape_mismatches(meta["config"], cfg)
         if mismatches:
             raise UserError(
@@ -236,7 +279,8 @@ class Checkpointer:
     def restore_latest_good(self, model, opt_state, cfg: Config):
         """(model, opt_state, run_state, step) of the newest checkpoint that verifies and
         restores; None when the run has no checkpoint yet."""
-        return self.newest_good(lambda step: (*self.restore(step, model, opt_state, cfg), step))
+        return self.newest_good(
+            lambda step: (*self.restore(step, model, opt_state, cfg, META_SPEC), step))
 
     def newest_good(self, load: Callable[[int], T]) -> T | None:
         """`load(step)` of the newest checkpoint that verifies and loads, reporting (and for
@@ -248,6 +292,8 @@ class Checkpointer:
             if reason is None:
                 try:
                     return load(step)
+                except SchemaError as err:  # a malformed record is damage, like bad bytes
+                    reason = err.problem
                 except UserError:
                     raise  # an incompatible config is the user's to fix, not damage
                 except Exception as err:  # noqa: BLE001 - any failure to restore is damage
@@ -293,7 +339,11 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
     ckpt = Checkpointer(Path(run_dir), keep=1_000_000, writer=False)
 
     def load(step: int):
-        cfg = config_from_dict(ckpt.read_meta(step)["config"])
+        meta = ckpt.read_meta(step)
+        try:
+            cfg = config_from_dict(meta["config"])
+        except UserError as err:  # the stored config is part of the checkpoint: damage
+            raise SchemaError(ckpt.directory / str(step) / "meta", f"config: {err}") from None
         cfg = config_from_dict({**config_to_dict(cfg), "mesh": {"data": 1, "expert": 1}})
         # Shapes only: building a real random model just to overwrite it costs a compile.
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -10,11 +10,12 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-import yaml
-
 from moelab.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError
+from moelab.schema import brief, float_in, int_in, parse_yaml
+from moelab.train.supervisor import MAX_WAIT_S
 
 PRESETS = ("tiny", "small")
+MAX_RESTARTS = 1000  # more than any real run needs; keeps 2**n backoff arithmetic finite
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,10 +29,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume a run with a config that differs from its config.yaml, "
                         "recording the change as a config_change event")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=int_in(0, MAX_RESTARTS), default=0,
                    help="supervise: restart a crashed worker from its checkpoint up to N times")
-    p.add_argument("--restart-backoff", type=float, default=1.0,
-                   help="seconds before the first restart; doubles each time")
+    p.add_argument("--restart-backoff", type=float_in(0, MAX_WAIT_S), default=1.0,
+                   help="seconds before the first restart; doubles each time (up to "
+                        f"{MAX_WAIT_S:.0f} s)")
+    p.add_argument("--restart-from-scratch", action="store_true",
+                   help="move an earlier run's files in --run-dir to history-*/ and train "
+                        "from step 0 (needed when its checkpoints are gone)")
     p.add_argument("--experiment", help="attach this run to a lab experiment id")
     p.add_argument("--from", dest="parent", metavar="RUN_DIR[@STEP]",
                    help="branch: start this new run from a kept checkpoint of another run "
@@ -62,12 +67,8 @@ def parse_overrides(items: list[str]) -> dict:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise UserError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            overrides[key] = yaml.safe_load(value)
-        except yaml.YAMLError as err:
-            problem = str(err).splitlines()[0]
-            raise UserError(f"--set {item!r}: the value is not valid YAML ({problem})") from None
+            raise UserError(f"--set expects KEY=VALUE, got {brief(item)}")
+        overrides[key] = parse_yaml(value, f"--set {key}", "value")
     return overrides
 
 
@@ -104,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file, not a directory; pass a directory")
     parent = parse_parent(args.parent, args.weights_only)
+    if args.restart_from_scratch:  # here, not in the workers: a restart must not archive
+        from moelab.train.rundir import RunDirLock, archive_history
+
+        with RunDirLock(run_dir):
+            if (archive := archive_history(run_dir)):
+                print(f"archived the earlier run's files to {archive}; starting over")
     if args.max_restarts > 0:
         from moelab.train.supervisor import supervise
 

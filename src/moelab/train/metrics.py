@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import jax
 
 from moelab.config import Config
 from moelab.errors import UserError
+from moelab.schema import check
 
 # Nominal peaks when train.peak_flops is 0 (FLOP/s). CPU: a rough figure for two modern
 # x86 cores in f32; set train.peak_flops for the machine you report on.
@@ -64,6 +66,12 @@ def mfu(cfg: Config, tokens_per_s: float) -> float:
     return tokens_per_s * flops_per_token(cfg) / peak_flops(cfg)
 
 
+# What each line of metrics.jsonl / events.jsonl must hold: their readers (resume, the
+# supervisor, the ladder) index these fields.
+METRIC_SPEC = {"step": int}
+EVENT_SPEC = {"step": int, "kind": str, "message": str}
+
+
 class JsonlLog:
     """Append-only JSON lines, flushed and fsynced per record: a crash loses at most one.
 
@@ -72,8 +80,9 @@ class JsonlLog:
     bad moment never makes the file unreadable.
     """
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, spec: Any = dict):
+        """`spec`: the structure every record must have (moelab.schema), checked on read."""
+        self.path, self.spec = path, spec
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict) -> None:
@@ -98,12 +107,14 @@ class JsonlLog:
                     raise ValueError("no newline")
                 if line.strip():
                     records.append(json.loads(line))
-            except ValueError as err:
+            except (ValueError, UnicodeDecodeError) as err:
                 if number < len(lines):  # writes are appends: only the last can be torn
                     raise UserError(f"{self.path} line {number} is not JSON ({err}); it was "
                                     "edited by hand: fix or delete that line") from None
                 break
             good += len(line)
+            if line.strip():
+                check(records[-1], self.spec, self.path, f"line {number}")
         return records, good, data[good:]
 
     def read(self) -> list[dict]:

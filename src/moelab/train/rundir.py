@@ -12,6 +12,7 @@ A run directory holds one run. Its files, each named only here:
     worker.pid             pid of the supervisor's current worker
     lab_run.json           the lab run id this directory reports to
     lineage.json           a branch's parent: its run dir, step, lab run, optimizer state
+    history-STAMP/         an earlier run's files, archived by --restart-from-scratch
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import errno
 import fcntl
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 from moelab.config import Config, config_to_dict, dump_config
 from moelab.errors import ConfigError, UserError
+from moelab.schema import brief, read_yaml
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -115,27 +118,85 @@ def check_identity(run_dir: Path, cfg: Config, allow_change: bool) -> dict[str, 
     knows the step they take effect at. Writes nothing, so a refused start leaves the
     run directory as it was.
     """
-    import yaml
-
     path = current_config_path(run_dir)
     if not path.exists():
         return {}
-    try:
-        saved = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} is not readable YAML ({err}); restore it or use a new "
-                        "--run-dir") from err
+    return _compare(read_yaml(path, "run's config"), path.name, run_dir, cfg, allow_change)
+
+
+def check_checkpoint_config(run_dir: Path, cfg: Config, allow_change: bool, step: int,
+                            saved: dict[str, Any]) -> dict[str, tuple]:
+    """The config identity check, against the config checkpoint `step` stored.
+
+    With config.yaml deleted, the checkpoint's config is the run's identity (so deleting
+    it never skips the check) and the changes it accepts are returned, as check_identity
+    does. Otherwise the checkpoint's config must be one this run recorded (config.yaml or
+    an accepted change, placement aside): a checkpoint copied in from another run would
+    resume a state other than this run's. Returns {} then.
+    """
+    recorded = [read_yaml(p, "run's config") for p in sorted(Path(run_dir).glob("config*.yaml"))
+                if p.name == CONFIG_FILE or _CHANGED_CONFIG.fullmatch(p.name)]
+    if not recorded:
+        return _compare(saved, f"checkpoint {step} (config.yaml is missing)", run_dir, cfg,
+                        allow_change)
+    if allow_change or any(not _refused(config_changes(r, saved)) for r in recorded
+                           if isinstance(r, dict)):
+        return {}
+    raise ConfigError(f"checkpoint {step} in {run_dir} holds a config that this run never "
+                      f"trained with ({_listed(_refused(config_changes(recorded[-1], saved)))}"
+                      "): it was copied from another run; remove it (checkpoints/"
+                      f"{step}), or pass --allow-config-change to resume from it anyway")
+
+
+def _refused(changes: dict[str, tuple]) -> dict[str, tuple]:
+    """The changes that make another run: placement may change, and `stages` is checked by
+    the trainer at the resume step (only stages yet to start may change)."""
+    return {k: v for k, v in changes.items() if not k.startswith(PLACEMENT) and k != "stages"}
+
+
+def _listed(changes: dict[str, tuple], most: int = 20) -> str:
+    listed = "; ".join(f"{k}: run {brief(a)}, now {brief(b)}"
+                       for k, (a, b) in list(changes.items())[:most])
+    return listed + (f" and {len(changes) - most} more" if len(changes) > most else "")
+
+
+def _compare(saved: Any, where: str, run_dir: Path, cfg: Config,
+             allow_change: bool) -> dict[str, tuple]:
     changes = config_changes(saved if isinstance(saved, dict) else {}, config_to_dict(cfg))
-    # stages: the trainer checks, at the resume step, that only stages yet to start change
-    refused = {k: v for k, v in changes.items() if not k.startswith(PLACEMENT) and k != "stages"}
+    refused = _refused(changes)
     if refused and not allow_change:
-        listed = "; ".join(f"{k}: run {a!r}, now {b!r}" for k, a, b in
-                           ((k, *v) for k, v in refused.items()))
-        raise ConfigError(f"the config differs from the run's {path.name} in {run_dir} "
-                          f"(incompatible config: {listed}); rerun with the run's config, "
-                          "use a new --run-dir, or pass --allow-config-change to record the "
-                          "change and continue")
+        raise ConfigError(f"the config differs from the run's {where} in {run_dir} "
+                          f"(incompatible config: {_listed(refused)}); rerun with the run's "
+                          "config, use a new --run-dir, or pass --allow-config-change to "
+                          "record the change and continue")
     return changes
+
+
+# What a run directory holds besides its checkpoints: the record of a run that trained.
+HISTORY = (METRICS_FILE, EVENTS_FILE, LAB_RUN_FILE, CONFIG_FILE, CHECKPOINT_DIR,
+           QUARANTINE_DIR, WORKER_PID_FILE)
+HISTORY_DIR = "history-"
+
+
+def history(run_dir: Path) -> list[str]:
+    """The names of the files (and checkpoint directories) of an earlier run in `run_dir`."""
+    run_dir = Path(run_dir)
+    found = [name for name in HISTORY if (run_dir / name).exists()]
+    return found + sorted(p.name for p in run_dir.glob("config.step-*.yaml"))
+
+
+def archive_history(run_dir: Path) -> Path | None:
+    """Move an earlier run's files into run_dir/history-STAMP/ (never deleted, never
+    appended to), so the run starts from scratch with an empty record. Call holding the
+    run-dir lock. Returns the archive, or None when there was nothing to archive."""
+    names = history(run_dir)
+    if not names:
+        return None
+    archive = Path(run_dir) / f"{HISTORY_DIR}{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    archive.mkdir()
+    for name in names:
+        os.replace(Path(run_dir) / name, archive / name)
+    return archive
 
 
 def save_config(run_dir: Path, cfg: Config, step: int, changed: bool) -> Path | None:

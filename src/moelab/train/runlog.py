@@ -14,7 +14,8 @@ from pathlib import Path
 
 from moelab.config import config_from_dict, config_to_dict
 from moelab.errors import ConfigError
-from moelab.train.metrics import JsonlLog
+from moelab.schema import read_json
+from moelab.train.metrics import EVENT_SPEC, METRIC_SPEC, JsonlLog
 from moelab.train.rundir import EVENTS_FILE, LAB_RUN_FILE, METRICS_FILE, config_changes
 
 
@@ -24,8 +25,8 @@ class RunLog:
         """`snapshot_change`: None attaches whatever the config; False refuses a config that
         differs from the experiment's snapshot; True accepts and records the difference.
         `lab`: the lab file (default `default_lab_path()`)."""
-        self.metrics = JsonlLog(run_dir / METRICS_FILE)
-        self.events = JsonlLog(run_dir / EVENTS_FILE)
+        self.metrics = JsonlLog(run_dir / METRICS_FILE, METRIC_SPEC)
+        self.events = JsonlLog(run_dir / EVENTS_FILE, EVENT_SPEC)
         self.store, self.run_id = None, None
         self._repair()  # before attaching: the store gets the repaired record
         if experiment:
@@ -33,15 +34,17 @@ class RunLog:
 
     def _repair(self) -> None:
         """Cut lines torn by a kill or a full disk, and say so: appending after a torn
-        line would glue two records into one unreadable line."""
-        for log in (self.metrics, self.events):
-            torn = log.repair()
-            if torn:
-                message = (f"{log.path.name}: removed a torn last line ({len(torn)} bytes: "
-                           f"{torn[:60]!r}), left by an interrupted write")
-                print(message, file=sys.stderr, flush=True)
-                last = self.metrics.read()
-                self.event(last[-1]["step"] if last else 0, "torn_line", message)
+        line would glue two records into one unreadable line. Both logs are repaired
+        before either repair is recorded: the event goes to events.jsonl, which may be
+        torn too."""
+        repaired = [(log.path.name, torn) for log in (self.metrics, self.events)
+                    if (torn := log.repair())]
+        for name, torn in repaired:
+            message = (f"{name}: removed a torn last line ({len(torn)} bytes: "
+                       f"{torn[:60]!r}), left by an interrupted write")
+            print(message, file=sys.stderr, flush=True)
+            last = self.metrics.read()
+            self.event(last[-1]["step"] if last else 0, "torn_line", message)
 
     def _attach(self, run_dir: Path, experiment: str, config: dict,
                 snapshot_change: bool | None, lab: Path | None) -> None:
@@ -50,7 +53,7 @@ class RunLog:
         self.store = Store(lab or default_lab_path())
         marker = run_dir / LAB_RUN_FILE
         if marker.exists():
-            self.run_id = json.loads(marker.read_text())["run_id"]
+            self.run_id = read_json(marker, {"run_id": str})["run_id"]
             return
         changes = ({} if snapshot_change is None else
                    snapshot_changes(self.store, experiment, config, snapshot_change))

@@ -57,3 +57,22 @@ class SpikeDetector:
     def load_state_dict(self, state: dict) -> None:
         self.history = deque(state["history"])
         self.run_length = int(state["run_length"])
+
+
+# A model that predicts every token uniformly has cross-entropy ln(vocab_size); a freshly
+# initialised one is within a few tenths of it. LOSS_MARGIN times that is a model whose
+# mean log-probability of the right token is below that of a uniform guess over vocab^2
+# outcomes: no training run passes through there, so a checkpoint that far gone is a
+# divergence (finite or not), never a state worth resuming from.
+LOSS_MARGIN = 3.0
+
+
+def plausible_loss_bound(vocab_size: int) -> float:
+    """The largest cross-entropy (nats) a checkpoint may be saved at: LOSS_MARGIN ln(V)."""
+    return LOSS_MARGIN * math.log(vocab_size)
+
+
+def diverging(detector: SpikeDetector) -> bool:
+    """Whether the spike rule currently calls the series a divergence: its last
+    `patience` values were all flagged."""
+    return detector.run_length >= detector.patience

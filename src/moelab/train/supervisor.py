@@ -22,15 +22,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moelab.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR
 from moelab.train.interrupt import SIGNALS
-from moelab.train.rundir import WORKER_PID_FILE
-from moelab.train.runlog import RunLog
+from moelab.train.rundir import WORKER_PID_FILE, RunDirLock
 
 NO_RETRY = {EXIT_OK: "finished", EXIT_USER_ERROR: "bad input", EXIT_DIVERGED: "divergence",
             EXIT_INTERRUPTED: "stopped"}
+if TYPE_CHECKING:
+    from moelab.train.runlog import RunLog
+
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+MAX_WAIT_S = 3600.0  # the backoff doubles up to this many seconds between restarts
 
 
 def _die_with_parent(parent: int) -> None:
@@ -44,7 +48,11 @@ def _die_with_parent(parent: int) -> None:
 def supervise(worker_argv: list[str], run_dir: Path, max_restarts: int,
               backoff_s: float = 1.0, experiment: str | None = None) -> int:
     """Run `moelab <worker_argv>` until it finishes, restarting it up to max_restarts times."""
+    from moelab.train.runlog import RunLog  # here: `moelab train --help` imports this module
+
     run_dir.mkdir(parents=True, exist_ok=True)
+    with RunDirLock(run_dir):  # a run dir in use is refused before worker.pid is touched
+        pass
     restarts, stopping, worker = 0, [], None
 
     def forward(signum: int, frame) -> None:
@@ -73,7 +81,7 @@ def supervise(worker_argv: list[str], run_dir: Path, max_restarts: int,
                 print(f"moelab train: {message}", file=sys.stderr)
                 return EXIT_FAILED
             restarts += 1
-            wait = backoff_s * 2 ** (restarts - 1)
+            wait = min(backoff_s * 2.0 ** min(restarts - 1, 64), MAX_WAIT_S)
             message = (f"worker died (exit {code}) near step {step}; "
                        f"restart {restarts}/{max_restarts} in {wait:.1f}s")
             log.event(step, "restart", message)

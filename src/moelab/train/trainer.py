@@ -46,12 +46,14 @@ from moelab.train.rundir import (
     LAB_RUN_FILE,
     LINEAGE_FILE,
     METRICS_FILE,
+    QUARANTINE_DIR,
     RunDirLock,
+    check_checkpoint_config,
     check_identity,
     save_config,
 )
 from moelab.train.runlog import RunLog, check_snapshot
-from moelab.train.spikes import SpikeDetector
+from moelab.train.spikes import SpikeDetector, diverging, plausible_loss_bound
 from moelab.train.step import make_eval_step, make_train_step
 
 FAULT_ENV = "MOELAB_FAULT_AT_STEP"  # test hook: SIGKILL this process when reaching that step
@@ -125,6 +127,7 @@ class Trainer:
                  parent: Parent | None = None):
         self.cfg, self.run_dir, self.evaluator, self.parent = cfg, run_dir, evaluator, parent
         self.stop = stop if stop is not None else StopRequest()
+        self.allow_config_change = allow_config_change
         # Before anything is written: a refused config leaves the run dir as it was.
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
@@ -175,11 +178,18 @@ class Trainer:
     def _resume(self) -> int:
         found = self.ckpt.restore_latest_good(self.model, self.opt_state, self.cfg)
         if found is None:
-            return 0 if self.parent is None else self._branch(self.parent)
+            if self.parent is not None:
+                return self._branch(self.parent)
+            self._start_without_checkpoint()
+            return 0
         if self.parent is not None and not (self.run_dir / LINEAGE_FILE).exists():
             raise UserError(f"--from: {self.run_dir} already holds a run of its own; a branch "
                             "starts in a new --run-dir")
         self.model, self.opt_state, meta, step = found
+        # Its own config stands in for a deleted config.yaml, and must be this run's.
+        self.config_changes = check_checkpoint_config(
+            self.run_dir, self.cfg, self.allow_config_change, step, meta["config"]
+        ) or self.config_changes
         self._check_plan_change(meta["config"], step)
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
@@ -238,6 +248,36 @@ class Trainer:
                               "start later may change: branch instead with `moelab train "
                               f"--from {self.run_dir}@STEP` into a new --run-dir")
 
+    def _start_without_checkpoint(self) -> None:
+        """Start at step 0, unless the run directory shows that a checkpoint existed:
+        retraining then would log steps 1..N a second time. A record past the first
+        checkpoint step proves one (the save completes before the next step is logged),
+        as do a resume or interrupt event and checkpoints moved aside as damaged. Records
+        before it are from a start killed before its first save: nothing was kept, so
+        they are dropped and recomputed, with an event saying so."""
+        first_save = self.cfg.train.checkpoint_every
+        metrics, events = self.log.metrics.read(), self.log.events.read()
+        last = max((r["step"] for r in metrics + events), default=0)
+        quarantine = self.run_dir / QUARANTINE_DIR
+        damaged = sorted(p.name for p in quarantine.iterdir()) if quarantine.is_dir() else []
+        evidence = [f"metrics/events up to step {last}"] if last > first_save else []
+        evidence += sorted({f"a {e['kind']} event at step {e['step']}" for e in events
+                            if e["kind"] in ("resume", "interrupted")})[:3]
+        evidence += [f"{len(damaged)} damaged checkpoint(s) in {QUARANTINE_DIR}/"] * \
+            bool(damaged)
+        if evidence:
+            raise UserError(
+                f"{self.run_dir} holds the history of a run that saved checkpoints "
+                f"({'; '.join(evidence)}) but no usable checkpoint in checkpoints/; training "
+                "again from step 0 would repeat its steps in the same record. Rerun with "
+                "--restart-from-scratch to archive the old files (to history-*/) and start "
+                "over, or pass a new --run-dir")
+        if metrics:
+            self.log.rewind_to(0)
+            self.log.event(0, "fresh_start", f"no checkpoint was saved before (the first is "
+                           f"due at step {first_save}); the {len(metrics)} steps logged "
+                           "before were dropped and are recomputed from step 0")
+
     def _save_config(self) -> None:
         path = save_config(self.run_dir, self.cfg, self.step, bool(self.config_changes))
         if "stages" in self.config_changes:
@@ -252,13 +292,43 @@ class Trainer:
                            f"{json.dumps(changed)}")
 
     def save(self) -> None:
+        refused = self._implausible()
+        if refused:
+            self._refuse_save(refused)
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
                  "detectors": {k: d.state_dict() for k, d in self.detectors.items()}}
         try:
             self.ckpt.save(self.step, self.model, self.opt_state, state)
         except DivergenceError as err:
-            self._diverged(str(err))
+            self._refuse_save(str(err))
+
+    def _implausible(self) -> str | None:
+        """Why the model about to be saved is a divergence though finite, or None. The
+        loss of the params being saved (one val batch: the logged loss is that of the
+        previous params) must be below plausible_loss_bound, and the spike rule must not
+        call the training loss diverging. Parameter magnitudes are the checkpointer's."""
+        bound = plausible_loss_bound(self.cfg.model.vocab_size)
+        val = next(iter(self.val.values()))
+        loss = float(self.eval_step(self.model, self._on_mesh(val.batch(0))))
+        if not loss <= bound:  # NaN too
+            return (f"the model's loss is {loss:.4g} (one val batch), above the bound "
+                    f"{bound:.4g} = 3 ln(vocab_size) that no training run passes through")
+        detector = self.detectors["loss"]
+        if diverging(detector):
+            return (f"the training loss has been flagged as a spike {detector.run_length} "
+                    "steps in a row (the spike rule's divergence)")
+        return None
+
+    def _refuse_save(self, why: str) -> None:
+        """A checkpoint that fails the checks is not written: event, then exit 3."""
+        last = self.ckpt.latest_step()
+        kept = ("no checkpoint passed before it" if last is None else
+                f"checkpoint {last} is the last one that passed")
+        message = f"refused to save checkpoint {self.step}: {why}; stopping; {kept}"
+        self.log.event(self.step, "save_refused", message)
+        self.log.finish("failed", message)
+        raise DivergenceError(message)
 
     def _maybe_stop(self) -> None:
         """On SIGTERM/SIGINT: save this step (unless just saved) and stop."""
