@@ -7,6 +7,10 @@ from pathlib import Path
 
 from moelab.errors import UserError
 
+# `moelab data prepare`'s default document limit (characters): above it a file is dropped
+# as too_long without being read whole. `moelab train`'s default corpus passes its own.
+MAX_CHARS = 1_000_000
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     data = subparsers.add_parser("data", help="build and inspect token datasets")
@@ -37,16 +41,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "(word_count=20:, dup_5gram_fraction=:0.3, word_count=: turns it off)")
     prepare.add_argument("--shard-docs", type=int, default=None,
                          help="documents per shard (default 32; small corpora: 2 tasks/worker)")
-    prepare.add_argument("--workers", type=int, default=None,
-                         help="local processes (default: one per CPU)")
-    prepare.add_argument("--ray", action="store_true",
-                         help="run the stages with Ray Data on the cluster RAY_ADDRESS names "
-                         "(or a local one); --out must be a path every node sees")
+    prepare.add_argument("--partitions", type=int, default=None,
+                         help="hash partitions of the dedup keys (default: one per 8 shards, "
+                         "at most 64; raise it when a partition task grows too big)")
+    prepare.add_argument("--max-chars", type=int, default=MAX_CHARS,
+                         help="longer documents are dropped as too_long; a file of more than "
+                         "4x this many bytes is never read whole (0 = no limit: a 15.7 MB "
+                         "file then costs ~3 GB in ingest and tokenize)")
+    _executor_options(prepare)
     prepare.set_defaults(func=run_prepare)
+
+    curate = commands.add_parser(
+        "curate", help="embed, cluster and quality-bucket a prepared dataset into mixture "
+        "cells (adds DIR/cells and meta.json's 'cells'; the source streams are unchanged)")
+    curate.add_argument("dir", help="a dataset directory written by `moelab data prepare`")
+    curate.add_argument("--embedder", choices=["lexical", "neural"], default="lexical")
+    curate.add_argument("--checkpoint", default=None,
+                        help="neural embedder: a run directory trained on this dataset")
+    curate.add_argument("--dim", type=int, default=192, help="lexical embedding dimensions")
+    curate.add_argument("--clusters", type=int, default=64, help="K fine k-means clusters")
+    curate.add_argument("--domains", type=int, default=8,
+                        help="fine clusters merged into this many domains")
+    curate.add_argument("--buckets", type=int, default=5, help="quality buckets (quantiles)")
+    curate.add_argument("--sample-docs", type=int, default=10_000,
+                        help="seeded sample for the lexical fit, k-means and quality cuts")
+    curate.add_argument("--min-cell-fraction", type=float, default=0.01,
+                        help="cells with a smaller share of train tokens merge into 'tail'")
+    curate.add_argument("--seed", type=int, default=0)
+    _executor_options(curate)
+    curate.set_defaults(func=run_curate)
 
     stats = commands.add_parser("stats", help="documents per source and filter, tokens")
     stats.add_argument("dir", help="a dataset directory written by `moelab data prepare`")
     stats.set_defaults(func=run_stats)
+
+
+def _executor_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=None,
+                        help="local processes (default: one per CPU)")
+    parser.add_argument("--ray", action="store_true",
+                        help="run the stages with Ray Data on the cluster RAY_ADDRESS names "
+                        "(or a local one); the dataset must be on a path every node sees")
 
 
 def parse_sources(specs: list[str]) -> dict[str, list[str]] | None:
@@ -88,8 +123,29 @@ def run_prepare(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size, near_dup_threshold=args.near_dup_threshold,
             val_fraction=args.val_fraction, min_chars=args.min_chars,
             max_docs_per_source=args.max_docs, workers=args.workers, use_ray=args.ray,
-            quality_thresholds=parse_quality(args.quality), shard_docs=args.shard_docs)
+            quality_thresholds=parse_quality(args.quality), shard_docs=args.shard_docs,
+            partitions=args.partitions, max_chars=args.max_chars or None)
     return run_stats(argparse.Namespace(dir=args.out))
+
+
+def run_curate(args: argparse.Namespace) -> int:
+    from moelab.data.curate import curate
+
+    entry = curate(args.dir, args.embedder, args.checkpoint, dim=args.dim,
+                   clusters=args.clusters, domains=args.domains, buckets=args.buckets,
+                   sample_docs=args.sample_docs, min_cell_fraction=args.min_cell_fraction,
+                   seed=args.seed, workers=args.workers, use_ray=args.ray)
+    report = entry["report"]
+    print(f"{report['documents']} documents -> {report['fine_clusters']} fine clusters -> "
+          f"{report['domains']} domains (size ratio {report['domain_size_ratio']}, purity "
+          f"{report['purity']}, NMI {report['nmi']}) -> {len(entry['cells'])} cells")
+    for domain in report["per_domain"]:
+        print(f"  {domain['domain']}  {domain['documents']:>6} docs  "
+              f"{domain['majority_source']} {domain['majority_share']}  "
+              f"{' '.join(domain['top_terms'][:6])}")
+    for name, cell in entry["cells"].items():
+        print(f"  cell:{name}  train_tokens {cell['train_tokens']}  docs {cell['documents']}")
+    return 0
 
 
 def run_stats(args: argparse.Namespace) -> int:
