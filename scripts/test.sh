@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs moelab with its test, export, lab, ray and curation extras (plus the headless browser the dashboard
-# test drives) and runs the test suite. `.ci/run` calls exactly this.
+# Installs moelab with its test, export, lab, ray and curation extras (plus the headless
+# browser the dashboard test drives) and runs the test suite. `.ci/run` calls exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e '.[test,export,lab,ray,curation]'

@@ -111,8 +111,12 @@ class DataConfig:
     path: str = "runs/data/default"  # a directory written by `moelab data prepare`
     seq_len: int = 128
     batch_size: int = 8  # sequences per optimizer step (before accumulation splits it)
-    mixture: dict[str, float] = field(default_factory=dict)  # source -> weight; {} = by size
+    # source (or "cell:<domain>/<bucket>" of a curated dataset) -> weight; {} = sources by size
+    mixture: dict[str, float] = field(default_factory=dict)
     seed: int = 0
+    # at most this many passes over each mixture component's train tokens in the run
+    # (weights above the cap move to the other components); 0 = no cap
+    max_epochs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -404,6 +408,8 @@ def validate(config: Config) -> None:
                  f"weight must be a finite number >= 0, got {weight}")
     _require(not d.mixture or sum(d.mixture.values()) > 0, "data.mixture",
              "weights must not all be zero")
+    _require(math.isfinite(d.max_epochs) and d.max_epochs >= 0, "data.max_epochs",
+             f"must be a finite number >= 0 (0 = no cap), got {d.max_epochs}")
     _validate_mesh(config)
 
 

@@ -117,7 +117,6 @@ def _neural_model(run_dir: str):
     """(embed function, seq_len, eos id) of the run's newest good checkpoint, loaded once
     per process (a pool worker embeds many shards)."""
     import equinox as eqx
-    import jax
     import jax.numpy as jnp
 
     from moelab.export.generate import with_dropless_dispatch

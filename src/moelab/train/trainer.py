@@ -79,7 +79,10 @@ class Trainer:
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
         d = cfg.data
-        self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed)
+        self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
+                             d.max_epochs or None, cfg.train.steps * d.batch_size * d.seq_len)
+        if d.mixture or d.max_epochs:
+            print(f"mixture: {self.loader.mixture.report()}")
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
         initialize_distributed(cfg.distributed)  # before any device is touched; no-op on 1 host
