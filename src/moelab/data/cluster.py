@@ -18,17 +18,21 @@ from moelab.errors import UserError
 KMEANS_ITERATIONS = 25
 
 
+def check_k(k: int, sample_size: int) -> None:
+    if k < 1:
+        raise UserError(f"--clusters must be >= 1, got {k}")
+    if k > sample_size:
+        raise UserError(f"--clusters {k} is larger than the sample of {sample_size} documents; "
+                        "lower --clusters or raise --sample-docs (or add documents)")
+
+
 def fit_centroids(sample: np.ndarray, k: int, seed: int) -> np.ndarray:
     """float32 [k, d] unit centroids of spherical k-means on the sample's unit rows.
     One FAISS thread: with several, the order of floating-point sums (and so the
     centroids) can change between runs; determinism for a seed is the contract."""
     import faiss
 
-    if k < 1:
-        raise UserError(f"--clusters must be >= 1, got {k}")
-    if k > len(sample):
-        raise UserError(f"--clusters {k} is larger than the sample of {len(sample)} documents; "
-                        "lower --clusters or raise --sample-docs (or add documents)")
+    check_k(k, len(sample))
     faiss.omp_set_num_threads(1)
     kmeans = faiss.Kmeans(sample.shape[1], k, niter=KMEANS_ITERATIONS, spherical=True,
                           seed=seed, verbose=False, min_points_per_centroid=1,

@@ -106,6 +106,7 @@ def curate(data_dir: str | Path, embedder: str = "lexical", checkpoint: str | Pa
         sample = sample_ids(plan)
         if not sample:
             raise UserError(f"{data_dir} has no kept document with tokens to curate")
+        cluster.check_k(clusters, len(sample))  # before the embedding work, not after it
         if embedder == "lexical" and not plan.path(embed.LEXICAL_FILE).exists():
             embed.fit_lexical((_lexical_text(t) for _, t in _sample_texts(plan, sample)),
                               dim, seed, plan.path(embed.LEXICAL_FILE))
