@@ -2,12 +2,17 @@
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import yaml
+from conftest import COMPILE_CACHE, tiny_config
 
 from moelab.cli import main
 from moelab.data import cells, cluster
@@ -161,3 +166,33 @@ def test_capped_weights_fill_the_simplex_and_keep_proportions():
     out = capped(weights, caps, {})
     assert math.isclose(out.sum(), 1.0) and np.all(out <= caps + 1e-12)
     np.testing.assert_allclose(out, [0.3, 0.6, 0.1])  # the excess went to the only free one
+
+
+@pytest.mark.slow  # two training processes (~2 min on a busy 2-core machine)
+def test_neural_embedder_uses_a_checkpoint_of_the_same_tokenizer(curated, small_corpus, tmp_path):
+    """A tiny run trained on the corpus embeds it; a dataset with another tokenizer is
+    refused in one line; and a run trains on a capped mixture of the resulting cells."""
+    run = tmp_path / "run"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(small_corpus, train={"steps": 4})))
+    train = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config)]
+    env = {**os.environ, **COMPILE_CACHE}
+    subprocess.run([*train, "--run-dir", str(run)], check=True, env=env, capture_output=True,
+                   timeout=600)
+    neural = copy_of(small_corpus, tmp_path / "neural")
+    entry = curate(neural, "neural", run, **SETTINGS)
+    assert entry["report"]["dim"] == tiny_config(small_corpus)["model"]["d_model"]
+    kept = sum(1 for r in read_manifest(small_corpus) if r["split"])
+    assert entry["report"]["documents"] == kept
+    other = copy_of(small_corpus, tmp_path / "other")
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
+    code = main(["data", "curate", str(other), "--embedder", "neural", "--checkpoint", str(run),
+                 "--clusters", "4", "--workers", "1"])
+    assert code == 2
+    names = {f"cell:{n}": 1.0 for n in read_meta(curated)["cells"]["cells"]}
+    config.write_text(yaml.safe_dump(tiny_config(curated, train={"steps": 4}, data={
+        "mixture": names, "max_epochs": 4.0})))
+    done = subprocess.run([*train, "--run-dir", str(tmp_path / "cells_run")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "mixture: cell:" in done.stdout and "epochs)" in done.stdout
