@@ -71,6 +71,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _executor_options(curate)
     curate.set_defaults(func=run_curate)
 
+    search = commands.add_parser(
+        "mix-search", help="choose mixture weights from small proxy runs and a log-linear "
+        "regression, then validate them against the by-size mixture")
+    search.add_argument("--config", default="tiny",
+                        help="the proxies' model and data (a preset name or a YAML file); "
+                        "its data.path is the dataset searched")
+    search.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. model.d_model=64")
+    search.add_argument("--out", required=True, help="directory for mix_search.json")
+    search.add_argument("--over", choices=["sources", "cells"], default="sources",
+                        help="mix sources, or the cells of `moelab data curate`")
+    search.add_argument("--proxies", type=int, default=24)
+    search.add_argument("--proxy-steps", type=int, default=40)
+    search.add_argument("--validate-steps", type=int, default=None,
+                        help="steps of each validation run (default: --proxy-steps)")
+    search.add_argument("--seeds", type=int, default=2, help="validation seeds per mixture")
+    search.add_argument("--max-epochs", type=float, default=4.0,
+                        help="cap on passes over any component in a validation run")
+    search.add_argument("--target", default=None,
+                        help="minimise this source's held-out loss (default: the mean)")
+    search.add_argument("--holdout", type=int, default=6,
+                        help="proxies held out to measure the regression's error")
+    search.add_argument("--kl-weight", type=float, default=0.05)
+    search.add_argument("--eval-batches", type=int, default=8)
+    search.add_argument("--seed", type=int, default=0)
+    search.set_defaults(func=run_mix_search)
+
     stats = commands.add_parser("stats", help="documents per source and filter, tokens")
     stats.add_argument("dir", help="a dataset directory written by `moelab data prepare`")
     stats.set_defaults(func=run_stats)
@@ -145,6 +172,25 @@ def run_curate(args: argparse.Namespace) -> int:
               f"{' '.join(domain['top_terms'][:6])}")
     for name, cell in entry["cells"].items():
         print(f"  cell:{name}  train_tokens {cell['train_tokens']}  docs {cell['documents']}")
+    return 0
+
+
+def run_mix_search(args: argparse.Namespace) -> int:
+    from moelab.config import load_config
+    from moelab.data.mixsearch import mix_search
+    from moelab.train.cli import config_path, parse_overrides
+
+    cfg = load_config(config_path(args.config), parse_overrides(args.set))
+    result = mix_search(cfg, args.out, args.over, args.proxies, args.proxy_steps,
+                        args.validate_steps, args.seeds, args.max_epochs, args.target,
+                        args.holdout, args.kl_weight, args.eval_batches, args.seed)
+    reg = result["regression"]
+    print(f"regression held-out MAE {reg['holdout_mae']:.4f} (max {reg['holdout_max_error']:.4f})")
+    print("chosen: " + ", ".join(f"{k} {v:.3f}" for k, v in result["chosen_weights"].items()))
+    print(f"predicted {result['predicted_loss']:.4f}  measured {result['measured_loss']:.4f} "
+          f"+- {result['measured_loss_sd']:.4f}  by-size {result['baseline_loss']:.4f} +- "
+          f"{result['baseline_loss_sd']:.4f}  beats by-size beyond seed noise: "
+          f"{result['beats_baseline_beyond_noise']}")
     return 0
 
 
