@@ -21,8 +21,9 @@ Stages, in DIR/.curate like prepare's, a task per manifest shard on the same exe
     write      (driver)  cell streams, assignments, report, meta.json
 
 Memory: a shard task holds one shard's documents and vectors; the driver holds the
-sample (vectors and report snippets), the centroids, and two small integers per
-document for the NMI (domain, source).
+sample (ids, vectors, texts for the report), the centroids, and the assignment table it
+writes (ids, labels, counts and path: ~100-200 bytes a document, ~1 GB at 10M documents;
+past that it would have to be written shard by shard).
 """
 
 from __future__ import annotations
