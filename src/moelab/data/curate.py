@@ -246,8 +246,9 @@ def _sample_vectors(plan: CuratePlan, sample: set[int]) -> tuple[np.ndarray, lis
     for shard in range(plan.shards):
         table = read_table(plan.shard_file("embed", shard))
         table = table.filter(pc.is_in(table["doc_id"], wanted))
-        ids += table["doc_id"].to_pylist()
-        parts.append(_vectors(table))
+        if table.num_rows:
+            ids += table["doc_id"].to_pylist()
+            parts.append(_vectors(table))
     return np.concatenate(parts), ids
 
 
@@ -276,13 +277,15 @@ def embed_shard(plan: CuratePlan, shard: int) -> int:
     if out.exists():
         return 0
     docs = list(shard_docs(plan, shard))
-    if plan.embedder == "lexical":
+    if not docs:  # every document dropped: an empty table (its width is never read)
+        vectors = np.zeros((0, 1), np.float32)
+    elif plan.embedder == "lexical":
         vectors = embed.embed_lexical([_lexical_text(text_of(plan, d["ids"])) for d in docs],
                                       plan.path(embed.LEXICAL_FILE))
     else:
         eos = _tokenizer(plan.data_dir).token_to_id(EOS)
         vectors = embed.embed_neural([d["ids"] for d in docs], Path(plan.checkpoint), eos)
-    width = vectors.shape[1] if len(docs) else 1
+    width = vectors.shape[1]
     flat = pa.array(vectors.reshape(-1).astype(np.float32), pa.float32())
     write_table(out, pa.table({
         "doc_id": pa.array([d["doc_id"] for d in docs], pa.int64()),

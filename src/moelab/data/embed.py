@@ -157,7 +157,6 @@ def embed_neural(docs: list[np.ndarray], run_dir: Path, eos_id: int) -> np.ndarr
             rows.append(np.pad(window, (0, seq_len - len(window)), constant_values=eos_id))
             owners.append(i)
             lengths.append(len(window))
-    out = np.zeros((len(docs), 0), np.float32)
     batch = 16  # fixed batch shape: one compile for every shard
     means = []
     for start in range(0, len(rows), batch):
@@ -167,8 +166,6 @@ def embed_neural(docs: list[np.ndarray], run_dir: Path, eos_id: int) -> np.ndarr
         mask = np.arange(seq_len)[None, :] < np.pad(lengths[start : start + n],
                                                     (0, batch - n))[:, None]
         means.append(pooled(tokens, mask)[:n])
-    if not means:
-        return out
     means = np.concatenate(means)
     weights = np.asarray(lengths, np.float64)[:, None]
     sums = np.zeros((len(docs), means.shape[1]))
