@@ -196,3 +196,14 @@ def test_neural_embedder_uses_a_checkpoint_of_the_same_tokenizer(curated, small_
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "mixture: cell:" in done.stdout and "epochs)" in done.stdout
+
+
+def _stops() -> None:
+    raise StopIteration  # what scikit-learn's HashingVectorizer raised on an empty shard
+
+
+def test_a_task_raising_stop_iteration_fails_its_stage_instead_of_ending_it():
+    from moelab.data.executor import Executor
+
+    with Executor(workers=1) as executor, pytest.raises(RuntimeError, match="StopIteration"):
+        executor.map([lambda: 1, _stops, lambda: 3], "stage")
