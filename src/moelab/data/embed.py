@@ -12,8 +12,8 @@ spherical k-means of `cluster` compares documents by cosine similarity.
              JAX. The checkpoint must share the dataset's tokenizer: its token ids mean
              nothing under another.
 
-A public embedder (with network) plugs in as a third `embed_tokens`-shaped function:
-see README "Curation".
+A public embedder (with network) plugs in as a third branch of `curate.embed_shard`
+returning unit vectors for a shard's texts: see README "Curation".
 """
 
 from __future__ import annotations
@@ -96,9 +96,12 @@ def check_checkpoint(run_dir: Path, data_dir: Path) -> None:
     """One-line error unless the run at run_dir trained on data_dir's tokenizer."""
     from moelab.data.tokenizer import TOKENIZER_FILE
     from moelab.train.checkpoint import Checkpointer
+    from moelab.train.rundir import CHECKPOINT_DIR
 
+    if not (Path(run_dir) / CHECKPOINT_DIR).is_dir():
+        raise UserError(f"--checkpoint {run_dir} has no checkpoint; train a run first")
     ckpt = Checkpointer(Path(run_dir), keep=1_000_000, writer=False)
-    steps = ckpt.steps() if Path(run_dir).is_dir() else []
+    steps = ckpt.steps()
     if not steps:
         raise UserError(f"--checkpoint {run_dir} has no checkpoint; train a run first")
     run_data = Path(ckpt.read_meta(steps[-1])["config"]["data"]["path"])
