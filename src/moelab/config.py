@@ -141,8 +141,12 @@ class DataConfig:
     path: str = "runs/data/default"
     seq_len: int = 128
     batch_size: int = 8  # sequences per optimizer step (before accumulation splits it)
-    mixture: dict[str, float] = field(default_factory=dict)  # source -> weight; {} = by size
+    # source (or "cell:<domain>/<bucket>" of a curated dataset) -> weight; {} = sources by size
+    mixture: dict[str, float] = field(default_factory=dict)
     seed: int = 0
+    # at most this many passes over each mixture component's train tokens in the run
+    # (weights above the cap move to the other components); 0 = no cap
+    max_epochs: float = 0.0
 
 
 HOME_ENV = "MOELAB_HOME"
@@ -491,6 +495,8 @@ def validate(config: Config) -> None:
     _require(not d.mixture or sum(d.mixture.values()) > 0, "data.mixture",
              "weights must not all be zero")
     _validate_rope(config)
+    _require(math.isfinite(d.max_epochs) and d.max_epochs >= 0, "data.max_epochs",
+             f"must be a finite number >= 0 (0 = no cap), got {d.max_epochs}")
     _validate_mesh(config)
     build_plan(config)  # stages: order, ends, mixtures, shapes, LR restarts
 

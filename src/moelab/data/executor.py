@@ -67,7 +67,10 @@ def peak_rss_mb() -> float:
 def measured(task: Task) -> tuple[Any, float]:
     """The task's result and the peak RSS (MB) of the process while it ran."""
     reset_peak_rss()
-    result = task()
+    try:
+        result = task()
+    except StopIteration as err:  # escaping into map/imap it would end the stage silently
+        raise RuntimeError(f"a task raised StopIteration: {err!r}") from err
     return result, peak_rss_mb()
 
 

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from moelab.config import data_dir
+from moelab.schema import int_in
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,8 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="comma-separated: local cont_<domain> tasks built from held-out "
                             "data (default: all of them), or the harness's own (e.g. "
                             "hellaswag, where its dataset is available)")
-    tasks.add_argument("--items", type=int, default=200, help="items per local task")
-    tasks.add_argument("--seed", type=int, default=0, help="draws the local tasks' items")
+    tasks.add_argument("--items", type=int_in(1, 1_000_000), default=200,
+                       help="items per local task")
+    tasks.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
+                       help="draws the local tasks' items")
     tasks.add_argument("--tokenizer", type=Path,
                        help="tokenizer.json to use (default: the run's dataset's)")
     _common(tasks)
@@ -156,12 +159,13 @@ def add_longctx(evals: argparse._SubParsersAction) -> None:
     p = evals.add_parser("longctx", help="loss by position, passkey retrieval and short-"
                          "context loss of a run's newest checkpoint (JSON; lab if attached)")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
-    p.add_argument("--original", type=int, default=0,
+    p.add_argument("--original", type=int_in(0), default=0,
                    help="the pre-extension context (0: model.rope's original length, else "
                    "data.seq_len / model.rope.factor)")
-    p.add_argument("--max-multiple", type=int, default=8,
+    p.add_argument("--max-multiple", type=int_in(1, 64), default=8,
                    help="longest passkey/position eval, in multiples of the original")
-    p.add_argument("--trials", type=int, default=8, help="passkeys per length and depth")
+    p.add_argument("--trials", type=int_in(1, 10_000), default=8,
+                   help="passkeys per length and depth")
     p.add_argument("--out", type=Path, help="JSON path (default RUN_DIR/longctx.json)")
     p.set_defaults(func=_longctx)
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from moelab.config import data_dir
-from moelab.schema import int_in
+from moelab.schema import float_in, int_in
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,9 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "latest checkpoint into OUT/hf)")
     verify.add_argument("--out", type=Path,
                         help="where golden.json and verify.json go (default RUN_DIR/verify)")
-    verify.add_argument("--bound", type=float, default=1e-4,
+    verify.add_argument("--bound", type=float_in(0.0, 1.0), default=1e-4,
                         help="max per-token probability error allowed (float32: 1e-4)")
-    verify.add_argument("--margin-tol", type=float, default=1e-4,
+    verify.add_argument("--margin-tol", type=float_in(0.0), default=1e-4,
                         help="a route flip is explained when the gold k vs k+1 router margin "
                              "is at most this")
     verify.add_argument("--backend", choices=("transformers", "vllm"), action="append",
@@ -47,10 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--run-dir", required=True, type=Path, help="a training run directory")
     gen.add_argument("--prompt", default="",
                      help="text to continue (default: '', a new document)")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample")
-    gen.add_argument("--temperature", type=float, default=0.8,
+    gen.add_argument("--max-new-tokens", type=int_in(1), default=64, help="tokens to sample")
+    gen.add_argument("--temperature", type=float_in(0.0, 100.0), default=0.8,
                      help="softmax temperature; 0 = greedy")
-    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus mass to sample from")
+    gen.add_argument("--top-p", type=float_in(0.0, 1.0), default=0.95,
+                     help="nucleus mass to sample from")
     gen.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
                      help="sampling seed (same seed, same text)")
     gen.set_defaults(func=_generate)

@@ -14,7 +14,7 @@ from typing import Literal
 from moelab.config import load_config
 from moelab.lab.records import ENDED, current_git_commit
 from moelab.lab.store import Store, default_lab_path
-from moelab.schema import read_yaml
+from moelab.schema import float_in, int_in, read_yaml
 from moelab.train.cli import PRESETS, config_path
 
 
@@ -64,9 +64,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     predict.add_argument("id", help="experiment id, e.g. exp-1")
     predict.add_argument("name", help="what is predicted, e.g. 'final val loss'")
     predict.add_argument("--metric", default="loss", help="the logged metric it predicts")
-    predict.add_argument("--value", type=float, required=True, help="the predicted value")
-    predict.add_argument("--low", type=float, required=True, help="the interval's low end")
-    predict.add_argument("--high", type=float, required=True, help="the interval's high end")
+    predict.add_argument("--value", type=float_in(-1e300), required=True,
+                         help="the predicted value")
+    predict.add_argument("--low", type=float_in(-1e300), required=True,
+                         help="the interval's low end")
+    predict.add_argument("--high", type=float_in(-1e300), required=True,
+                         help="the interval's high end")
     scored = predict.add_mutually_exclusive_group(required=True)
     scored.add_argument("--run", help="score it on this run (its id or run directory)")
     scored.add_argument("--rule", choices=("best", "mean"),
@@ -86,7 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     serve = command("serve", "read-only dashboard on localhost")
     serve.add_argument("--host", default="127.0.0.1", help="bind address")
-    serve.add_argument("--port", type=int, default=8765, help="TCP port (0: any free one)")
+    serve.add_argument("--port", type=int_in(0, 65535), default=8765,
+                       help="TCP port (0: any free one)")
     serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                        help="also answer requests whose Host header is NAME (repeatable; "
                             "localhost and the bind address always are)")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moelab.schema import float_in, int_in
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     ladder = subparsers.add_parser(
@@ -36,17 +38,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("--downstream", action="store_true",
                         help="also score every point and the target on the local held-out "
                              "tasks (downstream.md: accuracy and gold-answer bpb vs loss)")
-    report.add_argument("--items", type=int, default=100, help="items per task (--downstream)")
+    report.add_argument("--items", type=int_in(1, 1_000_000), default=100,
+                        help="items per task (--downstream)")
 
     compare = commands.add_parser(
         "compare", help="what each variant recipe is worth in compute against the base "
         "(reads finished rungs; trains only missing rungs, and only with --train)")
     compare.add_argument("specs", type=Path, nargs="+",
                          help="BASE.yaml VARIANT.yaml [MORE.yaml ...]: ladder specs")
-    compare.add_argument("--at", type=float, action="append", default=None, metavar="C",
+    compare.add_argument("--at", type=float_in(1.0), action="append", default=None, metavar="C",
                          help="report the multiplier at this compute (FLOPs; repeatable; "
                          "default: the first variant's largest rung)")
-    compare.add_argument("--l-inf", type=float, default=None,
+    compare.add_argument("--l-inf", type=float_in(0.0), default=None,
                          help="pin the shared irreducible loss (default: fitted jointly)")
     compare.add_argument("--out", type=Path, default=None,
                          help="where report.md, compare.json and compare.png go (default: "

@@ -99,9 +99,13 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{dotted field: (old, new)} for every field whose value differs."""
+    """{dotted field: (old, new)} for every field whose value differs. A field the old
+    config lacks (saved by a moelab that had no such field) is no change while the new
+    value is that field's default: it computes what the old code did."""
     a, b = _flatten(old), _flatten(new)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+    defaults = _flatten(config_to_dict(Config()))
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+            and not (k not in a and k in defaults and b.get(k) == defaults[k])}
 
 
 # Where the run is placed, not what it computes: resuming onto another mesh shape (after

@@ -133,7 +133,10 @@ class Trainer:
         data_dir = prepared_data(cfg)
         d = cfg.data
         self.plan = build_plan(cfg)
-        self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed)
+        self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
+                             d.max_epochs or None, cfg.train.steps * d.batch_size * d.seq_len)
+        if d.mixture or d.max_epochs:
+            print(f"mixture: {self.loader.mixture.report()}")
         if self.plan.staged:
             check_sources(self.plan, self.loader.sources)
             self.loader = StagedLoader(data_dir, self.plan.stages, d.seed)

@@ -1,0 +1,162 @@
+"""Curation at (reduced) scale: prepare `--sources installed` capped in documents, curate it
+with both embedders, optionally run a mixture search; figures -> bench/results/curation.json.
+
+Peak RSS is sampled (every 0.2 s, the RSS of this process plus its children summed, and the
+largest single process), not read from /usr/bin/time: the executor resets each worker's
+high-water mark between tasks (clear_refs), so a process's VmHWM is not its lifetime peak.
+Seconds are wall time on whatever else the machine is running: documents/s are a rate on
+that machine that day, not a speed claim.
+
+    python bench/curation.py --max-docs 2000 --out runs/curation
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "curation.json"
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as file:
+            for line in file:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as file:
+                    kids = [int(c) for c in file.read().split()]
+                found += kids
+                todo += kids
+        except OSError:
+            continue
+    return found
+
+
+class Sampler:
+    """Peak RSS (MB) of this process tree, sampled on a thread."""
+
+    def __init__(self, every: float = 0.2) -> None:
+        self.every, self.total, self.single = every, 0.0, 0.0
+        self._stop = threading.Event()
+
+    @contextmanager
+    def running(self):
+        self.total = self.single = 0.0
+        self._stop.clear()
+        thread = threading.Thread(target=self._loop, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            sizes = [rss_mb(p) for p in [os.getpid(), *descendants(os.getpid())]]
+            self.total = max(self.total, sum(sizes))
+            self.single = max(self.single, max(sizes))
+            time.sleep(self.every)
+
+
+def measured(name: str, results: dict, fn, *args, **kwargs):
+    sampler = Sampler()
+    start = time.perf_counter()
+    with sampler.running():
+        out = fn(*args, **kwargs)
+    results.setdefault("phases", {})[name] = {
+        "seconds": round(time.perf_counter() - start, 1),
+        "peak_rss_mb_tree": round(sampler.total, 1),
+        "peak_rss_mb_one_process": round(sampler.single, 1)}
+    return out
+
+
+def figures(entry: dict, seconds: float) -> dict:
+    report = entry["report"]
+    keep = ("documents", "sample_docs", "dim", "fine_clusters", "fine_clusters_nonempty",
+            "fine_size_ratio", "domains", "domain_size_ratio", "purity", "nmi",
+            "silhouette_domains")
+    return {**{k: report[k] for k in keep}, "docs_per_s": round(report["documents"] / seconds, 1),
+            "cells": {c: {k: v[k] for k in ("train_tokens", "documents", "sources")}
+                      for c, v in entry["cells"].items()},
+            "per_domain": [{k: d[k] for k in ("domain", "documents", "majority_source",
+                                              "majority_share", "top_terms", "snippets")}
+                           for d in report["per_domain"]],
+            "task_peak_rss_mb": entry["peak_rss_mb"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/curation")
+    parser.add_argument("--max-docs", type=int, default=2000, help="per source")
+    parser.add_argument("--clusters", type=int, default=64)
+    parser.add_argument("--domains", type=int, default=8)
+    parser.add_argument("--buckets", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--embedder-steps", type=int, default=200,
+                        help="steps of the tiny model the neural embedder uses")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["prepare", "neural"])
+    args = parser.parse_args()
+    from moelab.data.curate import curate
+    from moelab.data.prepare import INSTALLED_SOURCES, prepare
+
+    out = Path(args.out)
+    data = out / "installed"
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results["corpus"] = {"sources": "installed", "max_docs_per_source": args.max_docs,
+                         "note": "capped in documents: the whole ~0.7 GB corpus did not fit "
+                                 "this session on 2 shared cores"}
+    if "prepare" not in args.skip:
+        shutil.rmtree(data, ignore_errors=True)
+        meta = measured("prepare", results, prepare, data, INSTALLED_SOURCES,
+                        max_docs_per_source=args.max_docs, max_chars=1_000_000,
+                        workers=args.workers)
+        results["corpus"]["train_tokens"] = meta["train_tokens"]
+    settings = dict(clusters=args.clusters, domains=args.domains, buckets=args.buckets,
+                    workers=args.workers)
+    lexical = out / "lexical"
+    shutil.rmtree(lexical, ignore_errors=True)
+    shutil.copytree(data, lexical)
+    entry = measured("curate_lexical", results, curate, lexical, "lexical", **settings)
+    results["lexical"] = figures(entry, results["phases"]["curate_lexical"]["seconds"])
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    if "neural" not in args.skip:
+        run = out / "embedder_run"
+        shutil.rmtree(run, ignore_errors=True)
+        cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", "tiny", "--run-dir",
+               str(run), "--set", f"data.path={data}", "--set",
+               f"train.steps={args.embedder_steps}", "--set", "train.eval_every=1000000"]
+        measured("train_embedder", results, subprocess.run, cmd, check=True,
+                 capture_output=True)
+        neural = out / "neural"
+        shutil.rmtree(neural, ignore_errors=True)
+        shutil.copytree(data, neural)
+        entry = measured("curate_neural", results, curate, neural, "neural", run, **settings)
+        results["neural"] = figures(entry, results["phases"]["curate_neural"]["seconds"])
+        results["neural"]["embedder"] = f"tiny preset trained {args.embedder_steps} steps"
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps({k: results[k] for k in ("phases",)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
