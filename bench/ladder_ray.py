@@ -9,7 +9,7 @@ per task is (wall on 1 node - wall in one process) / number of runs. The machine
 cores: 3 nodes of 1 CPU oversubscribe it, so past 2 nodes the figure shows contention,
 not the scaling a cluster of real machines would give; the numbers say what a node adds
 here and what a task costs, which is what carries over. Needs the default corpus
-(`moelab train` prepares it). Results: bench/results/ladder_ray.json.
+(prepared here if missing). Results: bench/results/ladder_ray.json.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from pathlib import Path
 
 from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
 
+from moelab.config import DataConfig, data_dir
 from moelab.jobs.local_cluster import LocalCluster
 from moelab.ladder.runner import run_ladder
 from moelab.ladder.spec import spec_from_dict
 
 RESULTS = Path(__file__).parent / "results" / "ladder_ray.json"
-DATA = Path("runs/data/default")
+DATA = data_dir(DataConfig().path)  # the default corpus, where `moelab train` prepares it
 
 
 def spec(out: Path):
@@ -37,7 +38,7 @@ def spec(out: Path):
     target 8.7x the largest: enough parallel work for 3 nodes, small enough for minutes."""
     base = {"model": {"vocab_size": 4096, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
             "moe": {"n_experts": 8, "top_k": 2, "dispatch": "dropless"},
-            "data": {"path": str(DATA.resolve()), "seq_len": 64, "batch_size": 8},
+            "data": {"path": str(DATA), "seq_len": 64, "batch_size": 8},
             "optim": {"lr": 6e-3, "warmup_steps": 10},
             "train": {"log_every": 1000, "eval_batches": 1, "checkpoint_every": 50}}
     rung = lambda name, d, steps: {"name": name, "model": {"d_model": d, "d_ff": d},
@@ -68,7 +69,9 @@ def main() -> None:
     parser.add_argument("--force", action="store_true", help="write results on a busy machine")
     args = parser.parse_args()
     if not (DATA / "meta.json").exists():
-        raise SystemExit(f"no corpus at {DATA}: run `moelab train` once to prepare it")
+        from moelab.data.prepare import ensure_default_corpus
+
+        ensure_default_corpus(DATA)
     before = load_per_core()
     rows = {"sequential": timed("one process")}
     for nodes in (1, 2, 3):

@@ -23,8 +23,21 @@ def load_per_core() -> float:
     return os.getloadavg()[0] / (os.cpu_count() or 1)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), which speed ratios depend on; the architecture
+    where that file is missing."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def describe(load_before: float, load_after: float) -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(),
             "python": platform.python_version(), "jax": jax.__version__,
             "backend": jax.default_backend(),
             "load_per_core": {"before": round(load_before, 2), "after": round(load_after, 2)},
