@@ -12,7 +12,12 @@ from moelab.config import load_config
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    code = main(list(argv))
+    """(exit code, stderr) of `moelab ARGV`; argparse refuses an option's value itself, with
+    its one-line usage error and SystemExit(2)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
     return code, capsys.readouterr().err
 
 
@@ -75,8 +80,8 @@ def test_an_output_dir_naming_a_file_is_refused(argv, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--temperature", "nan"], "temperature: must be a number >= 0"),
-    (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 0"),
+    (["--temperature", "nan"], "--temperature: must be a finite number"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens: must be"),
 ])
 def test_bad_generate_arguments(argv, expected, tmp_path, capsys):
     code, err = run_cli(capsys, "generate", "--run-dir", str(tmp_path), *argv)
