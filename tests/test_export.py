@@ -170,6 +170,8 @@ def test_cli_exports_and_generates_from_a_run_dir(tmp_path, capsys, caplog):
     # orbax's read-only notices (one claims the checkpoint directory is read only) are noise
     assert not [r for r in caplog.records if r.name == "absl" and r.levelname == "WARNING"]
     assert exported.startswith("exported step 3") and generated.startswith("def")
-    assert main(["generate", "--run-dir", str(tmp_path / "run"), "--top-p", "2"]) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse's range check: usage error, exit 2
+        main(["generate", "--run-dir", str(tmp_path / "run"), "--top-p", "2"])
+    assert refused.value.code == 2
     assert main(["export", "--run-dir", str(tmp_path / "typo"), "--out", "x"]) == 2
     assert not (tmp_path / "typo").exists()
