@@ -207,7 +207,7 @@ FUZZ_STEPS, FUZZ_EVERY = 16, 4  # checkpoints at 4, 8, 12, 16, all kept
 @pytest.fixture(scope="session")
 def small_runs(tmp_path_factory, small_corpus) -> Path:
     """A root directory holding a copy of the small corpus (`data/`), a config naming it by
-    the relative path `data` (`config.yaml`), and three runs of it: `full`, 16 steps;
+    the working-directory path `./data` (`config.yaml`), and three runs of it: `full`, 16 steps;
     `other`, the same with train.seed 1; `half`, `full` as a crash after step 8 leaves it
     (checkpoints 4 and 8, metrics and events to step 8). Tests copy the root and work in
     the copy (chdir'd into it), so each one gets its own dataset and runs."""
@@ -224,7 +224,7 @@ def small_runs(tmp_path_factory, small_corpus) -> Path:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     root = tmp_path_factory.mktemp("runs")
     shutil.copytree(small_corpus, root / "data")
-    raw = tiny_config(Path("data"), train={"steps": FUZZ_STEPS, "checkpoint_every": FUZZ_EVERY,
+    raw = tiny_config("./data", train={"steps": FUZZ_STEPS, "checkpoint_every": FUZZ_EVERY,
                                            "keep_checkpoints": 4, "eval_every": 8})
     (root / "config.yaml").write_text(yaml.safe_dump(raw))
     cwd = Path.cwd()

@@ -59,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "curate", help="embed, cluster and quality-bucket a prepared dataset into mixture "
         "cells (adds DIR/cells and meta.json's 'cells'; the source streams are unchanged)")
     curate.add_argument("dir", help="a dataset directory written by `moelab data prepare`")
-    curate.add_argument("--embedder", choices=["lexical", "neural"], default="lexical")
+    curate.add_argument("--embedder", choices=["lexical", "neural"], default="lexical",
+                        help="lexical: hashed TF-IDF + SVD; neural: a moelab checkpoint")
     curate.add_argument("--checkpoint", default=None,
                         help="neural embedder: a run directory trained on this dataset")
     curate.add_argument("--dim", type=int_in(2, 4096), default=192,
@@ -73,7 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="seeded sample for the lexical fit, k-means and quality cuts")
     curate.add_argument("--min-cell-fraction", type=float_in(0.0, 1.0), default=0.01,
                         help="cells with a smaller share of train tokens merge into 'tail'")
-    curate.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    curate.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
+                        help="draws the sample and seeds k-means")
     _executor_options(curate)
     curate.set_defaults(func=run_curate)
 
@@ -88,8 +90,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--out", required=True, help="directory for mix_search.json")
     search.add_argument("--over", choices=["sources", "cells"], default="sources",
                         help="mix sources, or the cells of `moelab data curate`")
-    search.add_argument("--proxies", type=int_in(1, 100_000), default=24)
-    search.add_argument("--proxy-steps", type=int_in(1), default=40)
+    search.add_argument("--proxies", type=int_in(1, 100_000), default=24,
+                        help="proxy runs, each on Dirichlet-sampled weights")
+    search.add_argument("--proxy-steps", type=int_in(1), default=40,
+                        help="training steps of each proxy run")
     search.add_argument("--validate-steps", type=int_in(1), default=None,
                         help="steps of each validation run (default: --proxy-steps)")
     search.add_argument("--seeds", type=int_in(1, 1000), default=2,
@@ -100,9 +104,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="minimise this source's held-out loss (default: the mean)")
     search.add_argument("--holdout", type=int_in(0), default=6,
                         help="proxies held out to measure the regression's error")
-    search.add_argument("--kl-weight", type=float_in(0.0), default=0.05)
-    search.add_argument("--eval-batches", type=int_in(1), default=8)
-    search.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    search.add_argument("--kl-weight", type=float_in(0.0), default=0.05,
+                        help="penalty on the KL from the by-size weights when optimizing")
+    search.add_argument("--eval-batches", type=int_in(1), default=8,
+                        help="held-out batches per source scoring each run")
+    search.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
+                        help="draws the proxies' weights")
     search.set_defaults(func=run_mix_search)
 
     stats = commands.add_parser("stats", help="documents per source and filter, tokens")
