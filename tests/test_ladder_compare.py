@@ -47,7 +47,8 @@ def data(tmp_path):
     path = tmp_path / "data"
     path.mkdir()
     (path / "meta.json").write_text(json.dumps(
-        {"sources": ["text"], "train_tokens": {"text": 1000}, "val_tokens": {"text": 100}}))
+        {"vocab_size": 512, "eos_id": 0, "sources": ["text"], "train_tokens": {"text": 1000},
+         "val_tokens": {"text": 100}}))
     return path
 
 
