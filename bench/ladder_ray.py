@@ -25,7 +25,7 @@ from pathlib import Path
 from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
 
 from moelab.config import DataConfig, data_dir
-from moelab.jobs.local_cluster import LocalCluster
+from moelab.jobs.local_cluster import DRIVER_ENV, LocalCluster
 from moelab.ladder.runner import run_ladder
 from moelab.ladder.spec import spec_from_dict
 
@@ -72,6 +72,7 @@ def main() -> None:
         from moelab.data.prepare import ensure_default_corpus
 
         ensure_default_corpus(DATA)
+    os.environ.update(DRIVER_ENV)
     before = load_per_core()
     rows = {"sequential": timed("one process")}
     for nodes in (1, 2, 3):

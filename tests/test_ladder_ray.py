@@ -18,7 +18,7 @@ from conftest import tiny_config
 
 from moelab import cli
 from moelab.jobs import attempts
-from moelab.jobs.local_cluster import LocalCluster, free_port
+from moelab.jobs.local_cluster import DRIVER_ENV, LocalCluster, free_port
 from moelab.ladder.runner import run_ladder
 from moelab.ladder.spec import spec_from_dict
 
@@ -70,7 +70,7 @@ def _run_cli(tmp_path: Path, spec_path: Path, address: str) -> subprocess.Popen:
         [sys.executable, "-m", "moelab.cli", "ladder", "run", str(spec_path), "--ray", address,
          "--stall-timeout", "300"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "MOELAB_LAB": str(tmp_path / "lab.sqlite")})
+        env={**os.environ, **DRIVER_ENV, "MOELAB_LAB": str(tmp_path / "lab.sqlite")})
 
 
 def _steps(run: Path) -> list[int]:
@@ -147,6 +147,8 @@ def test_bad_addresses_and_impossible_requests_fail_fast(cluster, tmp_path, smal
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(raw))
     monkeypatch.chdir(tmp_path)
+    for name, value in DRIVER_ENV.items():
+        monkeypatch.setenv(name, value)
     started = time.monotonic()
     code = cli.main(["ladder", "run", str(spec_path), "--ray", f"127.0.0.1:{free_port()}"])
     assert code == 2 and "cannot reach the Ray head" in capsys.readouterr().err

@@ -19,6 +19,10 @@ from pathlib import Path
 # health_check_period_ms apart: ~3 s here instead of Ray's default ~30 s.
 FAST_FAILURE = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
                 "RAY_health_check_timeout_ms": "1000"}
+# Ray 2.60 turns token authentication on for a head started while ~/.ray/auth_token exists
+# (another Ray run may have written it), and a node or driver that does not read it the
+# same way is refused: a throwaway loopback cluster states its mode for every process.
+DRIVER_ENV = {"RAY_AUTH_MODE": "disabled"}
 
 
 def free_port() -> int:
@@ -34,7 +38,7 @@ class LocalCluster:
         self.temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: socket paths
         self.address = f"127.0.0.1:{free_port()}"
         src = str(Path(__file__).resolve().parents[2])  # this moelab, for the workers
-        self.env = {**os.environ, **FAST_FAILURE,
+        self.env = {**os.environ, **FAST_FAILURE, **DRIVER_ENV,
                     "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
                     "RAY_USAGE_STATS_ENABLED": "0"}
         common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
