@@ -244,6 +244,8 @@ class Trainer:
         """Refuse a resume whose plan changes a stage that has trained (one-line error);
         stages yet to start may change, recorded as a plan_change event."""
         old = build_plan(config_from_dict(saved))
+        if not (old.staged or self.plan.staged):
+            return  # one implicit stage: train.steps may change (a cooldown branch does)
         changed = old.started_changes(self.plan, step)
         if changed:
             raise ConfigError(f"stages: the plan changes {', '.join(changed)}, which has "
