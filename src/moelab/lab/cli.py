@@ -14,7 +14,7 @@ from typing import Literal
 from moelab.config import load_config
 from moelab.lab.records import ENDED, current_git_commit
 from moelab.lab.store import Store, default_lab_path
-from moelab.schema import float_in, int_in, read_yaml
+from moelab.schema import float_in, read_yaml
 from moelab.train.cli import PRESETS, config_path
 
 
@@ -89,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     serve = command("serve", "read-only dashboard on localhost")
     serve.add_argument("--host", default="127.0.0.1", help="bind address")
-    serve.add_argument("--port", type=int_in(0, 65535), default=8765,
+    serve.add_argument("--port", type=int, default=8765,
                        help="TCP port (0: any free one)")
     serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                        help="also answer requests whose Host header is NAME (repeatable; "
