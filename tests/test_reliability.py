@@ -372,7 +372,8 @@ def test_supervisor_stopped_or_killed_leaves_no_orphan_worker(kill, write_config
          str(run), "--max-restarts", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         env={**os.environ, **COMPILE_CACHE})
     deadline = time.time() + 300
-    while not (run / METRICS_FILE).exists():  # the worker is training
+    # the worker is training: a logged step (the file alone may be made before its handler)
+    while not ((run / METRICS_FILE).exists() and (run / METRICS_FILE).read_text().strip()):
         assert time.time() < deadline and supervisor.poll() is None
         time.sleep(0.1)
     worker = int((run / WORKER_PID_FILE).read_text())

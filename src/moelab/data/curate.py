@@ -48,7 +48,7 @@ from moelab.data.executor import Executor, RayExecutor
 from moelab.data.loader import META_FILE, SPLITS, read_meta
 from moelab.data.provenance import manifest_shards
 from moelab.data.shards import read_table, shard_path, write_json, write_streams, write_table
-from moelab.data.tokenizer import EOS, TOKENIZER_FILE
+from moelab.data.tokenizer import EOS
 from moelab.errors import UserError
 
 WORK_DIR = ".curate"
@@ -197,9 +197,9 @@ def shard_docs(plan: CuratePlan, shard: int, eos: bool = False) -> Iterator[dict
 
 @lru_cache(maxsize=1)
 def _tokenizer(data_dir: str):
-    from tokenizers import Tokenizer
+    from moelab.data.tokenizer import load_tokenizer
 
-    return Tokenizer.from_file(str(Path(data_dir) / TOKENIZER_FILE))
+    return load_tokenizer(data_dir)  # a damaged tokenizer.json: one line naming it
 
 
 def text_of(plan: CuratePlan, ids: np.ndarray) -> str:

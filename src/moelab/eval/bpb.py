@@ -117,10 +117,10 @@ def token_nll_fn(dtype_name: str) -> Callable[[Any, np.ndarray], Any]:
 def tokenizer_bytes(data_dir: str | Path) -> np.ndarray | None:
     """token_bytes of the dataset's tokenizer, or None when the dataset has none (then
     only the loss is reported)."""
-    from moelab.data.tokenizer import TOKENIZER_FILE
+    from moelab.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 
-    path = Path(data_dir) / TOKENIZER_FILE
-    return token_bytes(Tokenizer.from_file(str(path))) if path.is_file() else None
+    path = Path(data_dir) / TOKENIZER_FILE  # a damaged one: one line naming it
+    return token_bytes(load_tokenizer(data_dir)) if path.is_file() else None
 
 
 def domain_metrics(nll: Mapping[str, float], tokens: Mapping[str, int],

@@ -69,7 +69,10 @@ def _tokenizer(cfg, path: Path | None):
     from moelab.errors import UserError
 
     data = load_tokenizer(data_dir(cfg.data.path))
-    tokenizer = data if path is None else Tokenizer.from_file(str(path))
+    try:
+        tokenizer = data if path is None else Tokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - the tokenizers library raises bare Exception
+        raise UserError(f"--tokenizer {path}: not a tokenizer.json file") from None
     if tokenizer.get_vocab_size() > cfg.model.vocab_size or (
             path is not None and tokenizer.get_vocab() != data.get_vocab()):
         where = path or data_dir(cfg.data.path) / TOKENIZER_FILE
