@@ -34,18 +34,18 @@ DATA = data_dir(DataConfig().path)  # the default corpus, where `moelab train` p
 
 
 def spec(out: Path):
-    """Six independent rungs (3 widths x 2 seeds, 150 steps of 8 x 64 tokens) and a
-    target 8.7x the largest: enough parallel work for 3 nodes, small enough for minutes."""
+    """Six independent rungs (3 widths x 2 seeds, 200 steps of 8 x 64 tokens) and a
+    target 8x the largest: enough parallel work for 3 nodes, small enough for minutes."""
     base = {"model": {"vocab_size": 4096, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
             "moe": {"n_experts": 8, "top_k": 2, "dispatch": "dropless"},
             "data": {"path": str(DATA), "seq_len": 64, "batch_size": 8},
-            "optim": {"lr": 6e-3, "warmup_steps": 10},
+            "optim": {"lr": 3e-3, "warmup_steps": 20},
             "train": {"log_every": 1000, "eval_batches": 1, "checkpoint_every": 50}}
     rung = lambda name, d, steps: {"name": name, "model": {"d_model": d, "d_ff": d},
                                    "train": {"steps": steps}}
     raw = {"base": base, "seeds": [0, 1], "evals": 2,
-           "rungs": [rung("w16", 16, 150), rung("w24", 24, 150), rung("w32", 32, 150)],
-           "target": rung("target", 32, 1300), "fit": {"bootstrap": 20, "law": "compute"}}
+           "rungs": [rung("w16", 16, 200), rung("w32", 32, 200), rung("w64", 64, 200)],
+           "target": rung("target", 64, 1600), "fit": {"bootstrap": 20, "law": "compute"}}
     return spec_from_dict(raw, "bench", out)
 
 

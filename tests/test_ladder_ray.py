@@ -162,3 +162,27 @@ def test_bad_addresses_and_impossible_requests_fail_fast(cluster, tmp_path, smal
     with pytest.raises(SystemExit):
         cli.main(["ladder", "run", str(spec_path), "--ray", "--max-retries", "-1"])
     assert "expected a finite number >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~2 min idle: 28 small runs in this process, then the same on 2 nodes
+def test_mix_search_on_a_ray_cluster_equals_the_search_in_one_process(cluster, tmp_path,
+                                                                     small_corpus, monkeypatch):
+    pytest.importorskip("sklearn")
+    for name, value in DRIVER_ENV.items():
+        monkeypatch.setenv(name, value)
+    args = ["--set", f"data.path={small_corpus}", "--set", "model.vocab_size=512", "--set",
+            "model.d_model=32", "--set", "model.d_ff=32", "--set", "model.n_layers=1",
+            "--set", "data.batch_size=4", "--set", "data.seq_len=32", "--proxy-steps", "3",
+            "--eval-batches", "1"]
+    here, there = tmp_path / "here", tmp_path / "there"
+    assert cli.main(["data", "mix-search", "--out", str(here), *args]) == 0
+    assert cli.main(["data", "mix-search", "--out", str(there), *args,
+                     "--ray", cluster.address, "--stall-timeout", "300"]) == 0
+    local, remote = (json.loads((d / "mix_search.json").read_text()) for d in (here, there))
+    # every run is a pure function of its mixture and seeds: the same floats on any node
+    for key in ("runs", "validation", "chosen_weights", "predicted_loss", "measured_loss"):
+        assert remote[key] == local[key], key
+    runs = sorted((there / "runs").iterdir())
+    assert len(runs) == 24 + 4  # proxies and validation runs, each attempted once
+    assert all(len(attempts(r)) == 1 for r in runs)
+    assert len({attempts(r)[0]["node"] for r in runs}) == 2  # both worker nodes took runs

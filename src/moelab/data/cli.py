@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from moelab.errors import UserError
+from moelab.jobs.cli import add_ray_arguments, ray_options
 from moelab.schema import brief, float_in, int_in
 
 # `moelab data prepare`'s default document limit (characters): above it a file is dropped
@@ -110,6 +111,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="held-out batches per source scoring each run")
     search.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
                         help="draws the proxies' weights")
+    add_ray_arguments(search, "proxy or validation run")
     search.set_defaults(func=run_mix_search)
 
     stats = commands.add_parser("stats", help="documents per source and filter, tokens")
@@ -199,7 +201,8 @@ def run_mix_search(args: argparse.Namespace) -> int:
     cfg = load_config(config_path(args.config), parse_overrides(args.set))
     result = mix_search(cfg, args.out, args.over, args.proxies, args.proxy_steps,
                         args.validate_steps, args.seeds, args.max_epochs, args.target,
-                        args.holdout, args.kl_weight, args.eval_batches, args.seed)
+                        args.holdout, args.kl_weight, args.eval_batches, args.seed,
+                        args.ray, args.cpus_per_run, **ray_options(args))
     reg = result["regression"]
     print(f"regression held-out MAE {reg['holdout_mae']:.4f} (max {reg['holdout_max_error']:.4f})")
     print("chosen: " + ", ".join(f"{k} {v:.3f}" for k, v in result["chosen_weights"].items()))

@@ -18,8 +18,12 @@
     4. Validation: the chosen and the by-size mixture each trained with `seeds` new seeds
        for `validate_steps` steps and scored like the proxies.
 
-Runs are in-process, one jitted step and eval reused by all (they share shapes), no
-checkpoints: a proxy is a measurement, not a run to resume.
+Every proxy and validation run is a `moelab.jobs.Job`: in this process by default, or a
+Ray task each with `ray=` (`--ray`), results identical either way (a run is a pure function
+of its mixture and seeds). A process keeps one `ProxyRunner` per config, so the jitted
+step and eval are compiled once per process (per Ray worker) and reused by every run it
+trains. No checkpoints: a proxy is a measurement, not a run to resume; a Ray task lost
+with its node is retried from its first step.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.config import Config
+from moelab.config import Config, data_dir
 from moelab.data.loader import CELL_PREFIX, Loader, cells_of, read_meta, resolve_mixture
 from moelab.errors import UserError
+from moelab.jobs import Job, run_jobs
 
 MIN_PROXIES = 24
+RUNS_DIR = "runs"  # out/runs/<name>/: each proxy's and validation run's attempts (Ray)
 
 
 def components(meta: dict, over: str) -> list[str]:
@@ -103,6 +109,20 @@ class ProxyRunner:
         return losses
 
 
+_RUNNERS: dict[tuple[str, int], ProxyRunner] = {}  # this process's, by (config, eval batches)
+
+
+def proxy_run(cfg: Config, eval_batches: int, label: str, mixture: dict[str, float],
+              steps: int, seed: int) -> dict[str, float]:
+    """A job's body: one run's held-out losses, on this process's compiled runner."""
+    key = (repr(cfg), eval_batches)
+    if key not in _RUNNERS:
+        _RUNNERS[key] = ProxyRunner(cfg, eval_batches)
+    losses = _RUNNERS[key].run(mixture, steps, seed)
+    print(f"{label}: mean held-out loss {np.mean(list(losses.values())):.4f}", flush=True)
+    return losses
+
+
 def fit_loglinear(weights: np.ndarray, losses: np.ndarray):
     """One HuberRegressor per source: log loss on the weights, no intercept."""
     from sklearn.linear_model import HuberRegressor
@@ -150,8 +170,11 @@ def choose(models: list, prior: np.ndarray, caps: np.ndarray, target: int | None
 def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int = MIN_PROXIES,
                proxy_steps: int = 40, validate_steps: int | None = None, seeds: int = 2,
                max_epochs: float = 4.0, target: str | None = None, holdout: int = 6,
-               kl_weight: float = 0.05, eval_batches: int = 8, seed: int = 0) -> dict:
-    """Run the search; write out/mix_search.json and return it."""
+               kl_weight: float = 0.05, eval_batches: int = 8, seed: int = 0,
+               ray: str | None = None, cpus: float = 1.0, **ray_options) -> dict:
+    """Run the search; write out/mix_search.json and return it. `ray`: as `run_jobs`."""
+    # an absolute dataset path: what a Ray worker in another directory must read
+    cfg = replace(cfg, data=replace(cfg.data, path=str(data_dir(cfg.data.path).resolve())))
     meta = read_meta(cfg.data.path)
     names = components(meta, over)
     if proxies < MIN_PROXIES:
@@ -166,18 +189,24 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
     if seeds < 2:
         raise UserError(f"--seeds must be >= 2 to tell a difference from seed noise, got {seeds}")
     validate_steps = validate_steps or proxy_steps
-    out = Path(out)
+    out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runner = ProxyRunner(cfg, eval_batches)
+
+    def job(name: str, weights: np.ndarray, steps: int, run_seed: int) -> Job:
+        mixture = dict(zip(names, weights.tolist(), strict=True))
+        return Job(name, proxy_run, (cfg, eval_batches, name, mixture, steps, run_seed),
+                   run_dir=out / RUNS_DIR / name if ray is not None else None, cpus=cpus)
+
     sources = list(meta["sources"])
     rng = np.random.default_rng(seed)
     draws = rng.dirichlet(np.ones(len(names)), size=proxies)
     started = time.perf_counter()
-    runs = []
-    for i, w in enumerate(draws):
-        losses = runner.run(dict(zip(names, w.tolist(), strict=True)), proxy_steps, seed)
-        runs.append({"weights": w.tolist(), "losses": losses})
-        print(f"proxy {i + 1}/{proxies}: mean held-out loss {np.mean(list(losses.values())):.4f}")
+    width = len(str(proxies))
+    proxy_jobs = [job(f"proxy-{i + 1:0{width}d}", w, proxy_steps, seed)
+                  for i, w in enumerate(draws)]
+    done = run_jobs(proxy_jobs, ray, **ray_options)
+    runs = [{"weights": w.tolist(), "losses": done[j.name]}
+            for w, j in zip(draws, proxy_jobs, strict=True)]
     y = np.array([[r["losses"][s] for s in sources] for r in runs])
     fit_on = proxies - holdout
     held = predict(fit_loglinear(draws[:fit_on], y[:fit_on]), draws[fit_on:])
@@ -204,14 +233,12 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
         row = predict(models, w)[0]
         return float(row.mean() if t is None else row[t])
 
-    validation: dict[str, list[float]] = {"chosen": [], "by_size": []}
     mixtures = {"chosen": chosen, "by_size": prior}
-    for s in range(seeds):
-        for name, w in mixtures.items():
-            losses = runner.run(dict(zip(names, w.tolist(), strict=True)), validate_steps,
-                                seed + 1 + s)
-            validation[name].append(objective(losses))
-            print(f"validate {name} seed {seed + 1 + s}: {validation[name][-1]:.4f}")
+    checks = [job(f"validate-{name}-seed{seed + 1 + s}", w, validate_steps, seed + 1 + s)
+              for s in range(seeds) for name, w in mixtures.items()]
+    done = run_jobs(checks, ray, **ray_options)
+    validation = {name: [objective(done[f"validate-{name}-seed{seed + 1 + s}"])
+                         for s in range(seeds)] for name in mixtures}
     diffs = np.array(validation["chosen"]) - np.array(validation["by_size"])
     paired_se = float(diffs.std(ddof=1) / np.sqrt(seeds))
     result = {

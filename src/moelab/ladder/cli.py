@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moelab.jobs.cli import add_ray_arguments, ray_options
 from moelab.schema import float_in, int_in
 
 
@@ -63,42 +64,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     compare.set_defaults(func=_compare)
 
 
-def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
-    """--ray [ADDRESS] and its knobs, for every command that trains a set of runs."""
-    parser.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                        help="run each training run as a Ray task: on the cluster whose head "
-                        "is at ADDRESS (HOST:PORT), or with no value on a Ray runtime started "
-                        "here; run directories must be on a path every node sees")
-    parser.add_argument("--cpus-per-run", type=_positive(float), default=1.0,
-                        help="CPUs each run asks Ray for")
-    parser.add_argument("--max-retries", type=_positive(int, zero=True), default=3,
-                        help="how often Ray retries a run whose worker or node died (it "
-                        "resumes from its last checkpoint); a run's own error is never retried")
-    parser.add_argument("--stall-timeout", type=_positive(float), default=3600.0,
-                        metavar="SECONDS", help="fail if no run changes state or step for "
-                        "this long")
-
-
-def _positive(kind: type, zero: bool = False):
-    """An argparse type: a finite number > 0 (>= 0 with zero=True), with a one-line error."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}"
-                                             ) from None
-        if not (value >= 0 if zero else value > 0) or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(
-                f"expected a finite number {'>= 0' if zero else '> 0'}, got {text!r}")
-        return value
-
-    return parse
-
-
-def ray_options(args: argparse.Namespace) -> dict:
-    return {"max_retries": args.max_retries, "stall_timeout_s": args.stall_timeout}
-
-
 def _spec(args: argparse.Namespace):
     from moelab.ladder.spec import load_spec
 
@@ -127,7 +92,7 @@ def _plan(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> None:
     from moelab.ladder.runner import run_ladder
 
-    options = ray_options(args) if args.ray is not None else {}
+    options = ray_options(args)
     run_ladder(_spec(args), args.experiment, args.ray, cpus=args.cpus_per_run, **options)
 
 
@@ -173,7 +138,7 @@ def _compare(args: argparse.Namespace) -> None:
     out = args.out or Path("runs/ladder") / "-".join(["compare", *(s.name for s in specs)])
     if args.ray is not None and not args.train:
         raise UserError("--ray trains missing rungs, so it needs --train")
-    options = ray_options(args) if args.ray is not None else {}
+    options = ray_options(args)
     result = compare_ladders(specs, out, args.at, args.l_inf, args.experiment, args.train,
                              args.ray, cpus=args.cpus_per_run, **options)
     for name, v in result["variants"].items():
