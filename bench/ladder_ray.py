@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
+from machine import describe, load_per_core, refuse_if_busy, settle  # bench/machine.py
 
 from moelab.config import DataConfig, data_dir
 from moelab.jobs.local_cluster import DRIVER_ENV, LocalCluster
@@ -73,7 +73,7 @@ def main() -> None:
 
         ensure_default_corpus(DATA)
     os.environ.update(DRIVER_ENV)
-    before = load_per_core()
+    before, waited = settle()
     rows = {"sequential": timed("one process")}
     for nodes in (1, 2, 3):
         with LocalCluster(workers=nodes) as cluster:
@@ -81,7 +81,7 @@ def main() -> None:
     n = rows["sequential"]["runs"]
     overhead = (rows["ray_1_nodes"]["wall_s"] - rows["sequential"]["wall_s"]) / n
     same = len({(r["predicted"], r["actual"]) for r in rows.values()}) == 1
-    machine = describe(before, load_per_core())
+    machine = describe(before, load_per_core(), waited)
     result = {"machine": machine, "rows": rows, "overhead_per_task_s": round(overhead, 2),
               "speedup_2_nodes": round(rows["ray_1_nodes"]["wall_s"]
                                        / rows["ray_2_nodes"]["wall_s"], 3),

@@ -1,9 +1,15 @@
 """What every speed benchmark records about the machine, and its refusal to time a busy one.
 
 These are shared 2-core machines: a ratio measured while other work runs is distorted
-(PyTorch's threads suffer more than XLA's, for one), so a benchmark records the load
-average before and after and writes no results when the machine was busy before it
+(PyTorch's threads suffer more than XLA's, for one), so a benchmark first waits for the
+machine to be quiet (`settle`: up to SETTLE_LIMIT_S, printing what it waited), records the
+load before and after, and writes no results when the machine was still busy when it
 started (above BUSY_PER_CORE) unless forced.
+
+The load is sampled from /proc/stat (the fraction of all cores' time spent busy over the
+last second), not read from the 1-minute load average: that average stays high for a
+minute or two after the previous benchmark ended, which made back-to-back benchmarks
+refuse to run on an idle machine.
 """
 
 from __future__ import annotations
@@ -17,10 +23,46 @@ import jax
 import jax.numpy as jnp
 
 BUSY_PER_CORE = 0.5
+QUIET_PER_CORE = 0.15  # settle() waits for less than this much busy time per core
+SETTLE_LIMIT_S = 300.0
 
 
-def load_per_core() -> float:
-    return os.getloadavg()[0] / (os.cpu_count() or 1)
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot; None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as file:
+            fields = [int(v) for v in file.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def load_per_core(window_s: float = 1.0) -> float:
+    """Busy fraction of the machine's cores over the next `window_s` seconds (0 = idle,
+    1 = every core busy); the 1-minute load average per core without /proc/stat."""
+    first = _cpu_times()
+    if first is None:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    time.sleep(window_s)
+    second = _cpu_times()
+    busy, total = second[0] - first[0], second[1] - first[1]
+    return busy / total if total > 0 else 0.0
+
+
+def settle(limit_s: float = SETTLE_LIMIT_S) -> tuple[float, float]:
+    """Wait until the machine is quiet (at most limit_s): (load per core, seconds waited).
+    Prints what it waited for, so a slow start is never a mystery."""
+    started = time.perf_counter()
+    load = load_per_core()
+    while load > QUIET_PER_CORE and time.perf_counter() - started < limit_s:
+        print(f"[bench] waiting for the machine to settle: {100 * load:.0f}% of the cores "
+              "busy", flush=True)
+        time.sleep(4.0)
+        load = load_per_core()
+    waited = time.perf_counter() - started
+    print(f"[bench] load {load:.2f} per core after waiting {waited:.0f} s", flush=True)
+    return load, round(waited, 1)
 
 
 def cpu_model() -> str:
@@ -36,11 +78,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def describe(load_before: float, load_after: float) -> dict:
+def describe(load_before: float, load_after: float, waited_s: float = 0.0) -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(),
             "python": platform.python_version(), "jax": jax.__version__,
             "backend": jax.default_backend(),
-            "load_per_core": {"before": round(load_before, 2), "after": round(load_after, 2)},
+            "load_per_core": {"before": round(load_before, 2), "after": round(load_after, 2),
+                              "measured": "busy fraction of all cores over 1 s (/proc/stat)"},
+            "waited_for_quiet_s": waited_s,
             # only the load before counts: during and after, the benchmark's own threads
             # keep both cores busy, which is the point of running it
             "busy": load_before > BUSY_PER_CORE}

@@ -28,7 +28,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
+from machine import describe, load_per_core, refuse_if_busy, settle  # bench/machine.py
 
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model.dispatch import Drops, Experts, get_dispatch
@@ -107,7 +107,7 @@ def timed(call) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    load_before = load_per_core()
+    load_before, waited = settle()
     kx, kg = jax.random.split(jax.random.key(1))
     shape = (args.batch, args.seq, args.d_model)
     x, g = jax.random.normal(kx, shape), jax.random.normal(kg, shape)
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
         # speed relative to a dense SwiGLU doing the same active FLOPs: 1.0 = no MoE overhead
         "ratio_swiglu_over_mode": {k: round(median["swiglu_equal_active_flops"] / v, 3)
                                    for k, v in median.items()},
-        "machine": describe(load_before, load_per_core()),
+        "machine": describe(load_before, load_per_core(), waited),
     }
     refuse_if_busy(result["machine"], args.force)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
+from machine import describe, load_per_core, refuse_if_busy, settle  # bench/machine.py
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "prepare_default.json"
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON to write")
     args = parser.parse_args()
     reference = git("rev-parse", args.reference) if args.reference else default_reference()
-    load_before = load_per_core()
+    load_before, waited = settle()
     trees: dict[str, list[dict]] = {"this": [], "reference": []}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -116,7 +116,7 @@ def main() -> None:
         # medians of alternated fresh runs: one slow outlier (a load spike) does not decide
         "ratio_this_over_reference": {
             key: round(this[key]["median"] / ref[key]["median"], 3) for key in this},
-        "machine": describe(load_before, load_per_core()),
+        "machine": describe(load_before, load_per_core(), waited),
     }
     ratio = result["ratio_this_over_reference"]
     print(f"this / reference (medians): prepare {ratio['prepare']}, whole process "

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-from machine import describe, load_per_core, matmul_peak, refuse_if_busy  # bench/machine.py
+from machine import describe, load_per_core, matmul_peak, refuse_if_busy, settle  # bench/machine.py
 
 from moelab.config import Config, load_config, replace
 from moelab.model import Transformer
@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.fsdp_bytes:
         return measure_fsdp_bytes()
-    load_before = load_per_core()
+    load_before, waited = settle()
     tiny = load_config(config_path("tiny"))
     compile_s = {}
     for layers in (2, 8, 16):
@@ -126,7 +126,7 @@ def main() -> None:
         "tiny_preset": speed,
         "param_opt_bytes_per_device": memory,
         "fsdp8_over_fsdp1": memory["fsdp8"] / memory["fsdp1"],
-        "machine": describe(load_before, load_after),
+        "machine": describe(load_before, load_after, waited),
     }
     print(json.dumps(result, indent=2))
     refuse_if_busy(result["machine"], args.force)

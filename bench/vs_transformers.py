@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from machine import describe, load_per_core, matmul_peak, refuse_if_busy  # bench/machine.py
+from machine import describe, load_per_core, matmul_peak, refuse_if_busy, settle  # bench/machine.py
 
 from moelab.config import Config, ModelConfig, MoEConfig
 from moelab.export.hf import export_hf
@@ -114,7 +114,7 @@ def timed(call) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    load_before = load_per_core()
+    load_before, waited = settle()
     cfg, model = build(args)
     with tempfile.TemporaryDirectory() as tmp:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
         "fraction_of_matmul_peak": {k: round(flops[k] / median[k] / peak, 3) for k in calls},
         "for_1.5x": {"moelab_ms": round(1e3 * need, 2),
                      "fraction_of_matmul_peak": round(flops["moelab"] / need / peak, 3)},
-        "machine": describe(load_before, load_per_core()),
+        "machine": describe(load_before, load_per_core(), waited),
     }
     refuse_if_busy(result["machine"], args.force)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ class RMSNorm(eqx.Module):
     def init(cls, dim: int, eps: float) -> RMSNorm:
         return cls(weight=jnp.ones((dim,), jnp.float32), eps=eps)
 
+    @jax.named_scope("norm")
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)

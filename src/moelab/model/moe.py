@@ -66,10 +66,13 @@ class MoE(eqx.Module):
         )
 
     def __call__(self, x: Float[Array, "B S D"]) -> tuple[Float[Array, "B S D"], MoEStats]:
-        logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router.astype(jnp.float32))
-        routing, router_stats = route(logits, self.moe, self.bias)
+        with jax.named_scope("router"):
+            logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32),
+                                self.router.astype(jnp.float32))
+            routing, router_stats = route(logits, self.moe, self.bias)
         routing = checkpoint_name(routing, "moe_routing")
-        y, dropped = self.dispatch(x, routing, self.experts, self.moe)
+        with jax.named_scope("dispatch"):  # its expert matmuls are named "experts"
+            y, dropped = self.dispatch(x, routing, self.experts, self.moe)
         y = checkpoint_name(y, "moe_out")
         if self.shared is not None:
             y = y + self.shared(x)

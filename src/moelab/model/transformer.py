@@ -43,12 +43,15 @@ class Block(eqx.Module):
                         else MoE.init(cfg, moe, kf)))
 
     def __call__(self, x, cos, sin, cache=None, cache_index=0):
-        attended, cache = self.attn(self.attn_norm(x), cos, sin, cache, cache_index)
+        # the named scopes label the ops in a profile (bench/profile_step.py, TensorBoard)
+        with jax.named_scope("attention"):
+            attended, cache = self.attn(self.attn_norm(x), cos, sin, cache, cache_index)
         h = x + attended
         if isinstance(self.ffn, MoE):
             out, stats = self.ffn(self.ffn_norm(h))
         else:
-            out, stats = self.ffn(self.ffn_norm(h)), None
+            with jax.named_scope("dense_ffn"):
+                out, stats = self.ffn(self.ffn_norm(h)), None
         return h + out, stats, cache
 
 
@@ -87,14 +90,16 @@ class Transformer(eqx.Module):
         positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
         cos, sin = rope_angles(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta,
                                self.cfg.rope)
-        x = self.embed[tokens]
+        with jax.named_scope("embed"):
+            x = self.embed[tokens]
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         dense_cache, moe_cache = caches if caches is not None else (None, None)
         x, _, dense_cache = self._run(self.dense_layers, x, cos, sin, dense_cache, cache_index)
         x, stats, moe_cache = self._run(self.moe_layers, x, cos, sin, moe_cache, cache_index)
-        x = self.final_norm(x)
-        head = self.embed.T if self.lm_head is None else self.lm_head
-        logits = linear(x, head).astype(jnp.float32)
+        with jax.named_scope("head"):
+            x = self.final_norm(x)
+            head = self.embed.T if self.lm_head is None else self.lm_head
+            logits = linear(x, head).astype(jnp.float32)
         return logits, stats, (dense_cache, moe_cache) if caches is not None else None
 
     def _run(self, stack: Block | None, x, cos, sin, cache: KVCache | None, cache_index):

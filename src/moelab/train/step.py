@@ -33,7 +33,8 @@ def make_loss(cfg: Config):
 
     def loss(model, batch):
         logits, stats, _ = cast_floats(model, dtype)(batch[:, :-1])
-        return objective(logits, batch[:, 1:], stats, cfg.loss)
+        with jax.named_scope("loss"):
+            return objective(logits, batch[:, 1:], stats, cfg.loss)
 
     return loss
 
@@ -61,11 +62,12 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, donate
             (_, parts), grads = grad_fn(model, batch)
         else:
             parts, grads = accumulated(model, batch)
-        scale = bias_rate_scale(cfg, opt_state)
-        updates, opt_state = optimizer.update(trainable(grads), opt_state, trainable(model))
-        parts["grad_norm"] = optax.tree.norm(grads)
-        model = update_bias(eqx.apply_updates(model, updates), parts, cfg.moe, scale)
-        parts["bias_range"] = bias_range(model)
+        with jax.named_scope("optimizer"):
+            scale = bias_rate_scale(cfg, opt_state)
+            updates, opt_state = optimizer.update(trainable(grads), opt_state, trainable(model))
+            parts["grad_norm"] = optax.tree.norm(grads)
+            model = update_bias(eqx.apply_updates(model, updates), parts, cfg.moe, scale)
+            parts["bias_range"] = bias_range(model)
         return eqx.filter(model, eqx.is_array), opt_state, parts
 
     return TrainStep(step, donate)

@@ -55,6 +55,7 @@ def use_ragged(moe: MoEConfig) -> bool:
     return moe.dropless_impl == "ragged"
 
 
+@jax.named_scope("experts")
 def grouped_experts(rows: Array, s: Sorted, experts: Experts, moe: MoEConfig) -> Array:
     if use_ragged(moe):
         return ragged_experts(rows, s, experts)
