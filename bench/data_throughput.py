@@ -125,16 +125,16 @@ def near_dup_input(data_dir: Path) -> list[tuple[str, str]]:
     """(path, normalized text) of the documents moelab's near-dup stage saw, in order:
     kept ones and near duplicates (they passed every other filter)."""
     from moelab.data.ingest import Document, process_document
-    from moelab.data.provenance import read_manifest
+    from moelab.data.provenance import locator, read_manifest, span_of
     from moelab.data.quality import SCORES
 
     off = {name: (None, None) for name in SCORES}
     docs = []
     for record in read_manifest(data_dir):
         if record["status"] == "kept" or record["reason"].startswith("near_dup_of:"):
-            doc = process_document(Document(record["source"], record["path"]), min_chars=1,
-                                   thresholds=off)
-            docs.append((record["path"], doc.text))
+            doc = process_document(Document(record["source"], record["path"],
+                                            span=span_of(record)), min_chars=1, thresholds=off)
+            docs.append((locator(record["path"], span_of(record)), doc.text))
     return docs
 
 
