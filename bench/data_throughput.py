@@ -24,13 +24,12 @@ import gzip
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from rss import Sampler  # bench/rss.py
+from rss import Sampler, run_sampled  # bench/rss.py
 
 RESULTS = Path(__file__).parent / "results" / "data_throughput.json"
 DEDUP_PHASES = ("exact", "merge_exact", "band", "pair", "cluster", "decide")
@@ -62,16 +61,10 @@ print(json.dumps({"seconds": seconds, "phases": meta["seconds"], "documents": me
 def run_prepare(out: Path, **settings: object) -> dict:
     """One prepare in a fresh process; its seconds, documents and peak RSS (per stage from
     prepare's probe, and sampled over the process tree)."""
-    sampler = Sampler()
-    with subprocess.Popen([sys.executable, "-c", CHILD,
-                           json.dumps({"out": str(out), **settings})],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
-        with sampler.running(child.pid):
-            stdout, stderr = child.communicate()
-    if child.returncode:
-        raise RuntimeError(stderr[-3000:])
+    stdout, sampled = run_sampled([sys.executable, "-c", CHILD,
+                                   json.dumps({"out": str(out), **settings})])
     result = json.loads(stdout.strip().splitlines()[-1])
-    result["sampled"] = sampler.figures()
+    result["sampled"] = sampled
     docs = sum(c["docs"] for c in result["documents"].values())
     # stages: without "list", the preset's globbing of the whole filesystem, whatever the
     # sample size (~20 s for `installed`), and without the process's imports

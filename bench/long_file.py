@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from rss import Sampler  # bench/rss.py
+from rss import run_sampled  # bench/rss.py
 
 RESULTS = Path(__file__).parent / "results" / "long_file.json"
 CHILD = """
@@ -58,14 +57,8 @@ def run(tmp: Path, mb: int, max_chars: int, workers: int) -> dict:
     size = write_text(src / "long.txt", mb * 1_000_000, seed=mb)
     for i in range(4):
         write_text(src / f"short{i}.txt", 5_000, seed=1000 + i)
-    sampler = Sampler()
-    with subprocess.Popen([sys.executable, "-c", CHILD, str(tmp / f"data{mb}"),
-                           str(src / "*.txt"), str(max_chars), str(workers)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
-        with sampler.running(child.pid):
-            stdout, stderr = child.communicate()
-    if child.returncode:
-        raise RuntimeError(stderr[-3000:])
+    stdout, sampled = run_sampled([sys.executable, "-c", CHILD, str(tmp / f"data{mb}"),
+                                   str(src / "*.txt"), str(max_chars), str(workers)])
     found = json.loads(stdout.strip().splitlines()[-1])
     spans = [(a, b) for a, b, _, _ in found["pieces"]]
     tiles = spans[0][0] == 0 and spans[-1][1] == size and all(
@@ -74,7 +67,7 @@ def run(tmp: Path, mb: int, max_chars: int, workers: int) -> dict:
     return {"file_mb": round(size / 1e6, 2), "pieces": len(spans),
             "kept": sum(status == "kept" for _, _, status, _ in found["pieces"]),
             "largest_piece_bytes": max(b - a for a, b in spans), "pieces_tile_the_file": tiles,
-            **sampler.figures(),
+            **sampled,
             "probe_driver_mb": max(probe["driver"].values()),
             "probe_largest_task_mb": max(probe["tasks"].values()),
             "probe_tasks_by_stage_mb": probe["tasks"]}

@@ -10,6 +10,7 @@ miss a spike shorter than its period: the figures are a lower bound within ~0.2 
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -75,3 +76,16 @@ class Sampler:
     def figures(self) -> dict[str, float]:
         return {"peak_rss_mb_tree": round(self.total, 1),
                 "peak_rss_mb_one_process": round(self.single, 1)}
+
+
+def run_sampled(argv: list[str]) -> tuple[str, dict[str, float]]:
+    """Run argv in a fresh process, its tree sampled throughout; its stdout and the
+    sampled figures. A failure raises with the end of its stderr."""
+    sampler = Sampler()
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as child:
+        with sampler.running(child.pid):
+            stdout, stderr = child.communicate()
+    if child.returncode:
+        raise RuntimeError(stderr[-3000:])
+    return stdout, sampler.figures()
