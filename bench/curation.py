@@ -1,9 +1,10 @@
 """Curation at (reduced) scale: prepare `--sources installed` capped in documents, curate it
 with both embedders, optionally run a mixture search; figures -> bench/results/curation.json.
 
-Peak RSS is sampled (every 0.2 s, the RSS of this process plus its children summed, and the
-largest single process), not read from /usr/bin/time: the executor resets each worker's
-high-water mark between tasks (clear_refs), so a process's VmHWM is not its lifetime peak.
+Peak RSS is sampled (bench/rss.py: every 0.2 s, the RSS of this process plus its children
+summed, and the largest single process), not read from /usr/bin/time: the executor resets
+each worker's high-water mark between tasks (clear_refs), so a process's VmHWM is not its
+lifetime peak.
 Seconds are wall time on whatever else the machine is running: documents/s are a rate on
 that machine that day, not a speed claim.
 
@@ -14,69 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
+from rss import Sampler  # bench/rss.py
+
 RESULTS = Path(__file__).parent / "results" / "curation.json"
-
-
-def rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as file:
-            for line in file:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as file:
-                    kids = [int(c) for c in file.read().split()]
-                found += kids
-                todo += kids
-        except OSError:
-            continue
-    return found
-
-
-class Sampler:
-    """Peak RSS (MB) of this process tree, sampled on a thread."""
-
-    def __init__(self, every: float = 0.2) -> None:
-        self.every, self.total, self.single = every, 0.0, 0.0
-        self._stop = threading.Event()
-
-    @contextmanager
-    def running(self):
-        self.total = self.single = 0.0
-        self._stop.clear()
-        thread = threading.Thread(target=self._loop, daemon=True)
-        thread.start()
-        try:
-            yield self
-        finally:
-            self._stop.set()
-            thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            sizes = [rss_mb(p) for p in [os.getpid(), *descendants(os.getpid())]]
-            self.total = max(self.total, sum(sizes))
-            self.single = max(self.single, max(sizes))
-            time.sleep(self.every)
 
 
 def measured(name: str, results: dict, fn, *args, **kwargs):
@@ -85,9 +32,7 @@ def measured(name: str, results: dict, fn, *args, **kwargs):
     with sampler.running():
         out = fn(*args, **kwargs)
     results.setdefault("phases", {})[name] = {
-        "seconds": round(time.perf_counter() - start, 1),
-        "peak_rss_mb_tree": round(sampler.total, 1),
-        "peak_rss_mb_one_process": round(sampler.single, 1)}
+        "seconds": round(time.perf_counter() - start, 1), **sampler.figures()}
     return out
 
 

@@ -7,7 +7,9 @@ Corpus: the `installed` preset (every installed package's Python sources + syste
 `--docs` documents per source at 1x; a larger scale is a superset (files are sampled by
 path hash). Each prepare runs in a fresh process; its peak RSS is read per stage (prepare's
 own probe: the driver's high-water mark per phase and the largest of any task per stage,
-each reset when its phase or task starts), so growth is located by stage. The tokenizer
+each reset when its phase or task starts), so growth is located by stage, and sampled over
+the whole process tree (bench/rss.py: the driver and its workers together, every 0.2 s; not
+/usr/bin/time, whose high-water mark the probe's clear_refs resets). The tokenizer
 sample is capped below the 1x text (--tokenizer-chars) so every scale trains on the same
 amount: that cap is what bounds the tokenizer's memory. Then, on the 1x input: the Ray
 executor (a local runtime, num_cpus = workers) against the local one; on the largest
@@ -22,12 +24,12 @@ import gzip
 import json
 import os
 import platform
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rss import Sampler, run_sampled  # bench/rss.py
 
 RESULTS = Path(__file__).parent / "results" / "data_throughput.json"
 DEDUP_PHASES = ("exact", "merge_exact", "band", "pair", "cluster", "decide")
@@ -57,12 +59,12 @@ print(json.dumps({"seconds": seconds, "phases": meta["seconds"], "documents": me
 
 
 def run_prepare(out: Path, **settings: object) -> dict:
-    """One prepare in a fresh process; its seconds, documents and peak RSS."""
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"out": str(out), **settings})],
-                          capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-3000:])
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    """One prepare in a fresh process; its seconds, documents and peak RSS (per stage from
+    prepare's probe, and sampled over the process tree)."""
+    stdout, sampled = run_sampled([sys.executable, "-c", CHILD,
+                                   json.dumps({"out": str(out), **settings})])
+    result = json.loads(stdout.strip().splitlines()[-1])
+    result["sampled"] = sampled
     docs = sum(c["docs"] for c in result["documents"].values())
     # stages: without "list", the preset's globbing of the whole filesystem, whatever the
     # sample size (~20 s for `installed`), and without the process's imports
@@ -90,7 +92,9 @@ def scale_runs(tmp: Path, args: argparse.Namespace) -> dict:
         print(f"{scale:>3}x: {result['docs']} docs in {result['seconds']:.1f} s, "
               f"{result['docs_per_s']} docs/s ({result['docs_per_s_stages']} in the stages), "
               f"peak RSS driver {result['peak_rss_mb']['driver']} MB, largest worker "
-              f"{result['peak_rss_mb']['worker']} MB", flush=True)
+              f"{result['peak_rss_mb']['worker']} MB; sampled: tree "
+              f"{result['sampled']['peak_rss_mb_tree']} MB, one process "
+              f"{result['sampled']['peak_rss_mb_one_process']} MB", flush=True)
     first, last = runs[f"{args.scales[0]}x"], runs[f"{args.scales[-1]}x"]
 
     def peak(r: dict) -> int:
@@ -100,6 +104,8 @@ def scale_runs(tmp: Path, args: argparse.Namespace) -> dict:
             "rss_ratio_largest_process": round(
                 max(last["peak_rss_mb"].values()) / max(first["peak_rss_mb"].values()), 3),
             "rss_ratio_driver_plus_workers": round(peak(last) / peak(first), 3),
+            "rss_ratio_tree_sampled": round(last["sampled"]["peak_rss_mb_tree"]
+                                            / first["sampled"]["peak_rss_mb_tree"], 3),
             "docs_per_s_ratio": round(last["docs_per_s"] / first["docs_per_s"], 3),
             "docs_per_s_stages_ratio": round(
                 last["docs_per_s_stages"] / first["docs_per_s_stages"], 3)}
@@ -125,16 +131,16 @@ def near_dup_input(data_dir: Path) -> list[tuple[str, str]]:
     """(path, normalized text) of the documents moelab's near-dup stage saw, in order:
     kept ones and near duplicates (they passed every other filter)."""
     from moelab.data.ingest import Document, process_document
-    from moelab.data.provenance import read_manifest
+    from moelab.data.provenance import locator, read_manifest, span_of
     from moelab.data.quality import SCORES
 
     off = {name: (None, None) for name in SCORES}
     docs = []
     for record in read_manifest(data_dir):
         if record["status"] == "kept" or record["reason"].startswith("near_dup_of:"):
-            doc = process_document(Document(record["source"], record["path"]), min_chars=1,
-                                   thresholds=off)
-            docs.append((record["path"], doc.text))
+            doc = process_document(Document(record["source"], record["path"],
+                                            span=span_of(record)), min_chars=1, thresholds=off)
+            docs.append((locator(record["path"], span_of(record)), doc.text))
     return docs
 
 
@@ -298,9 +304,10 @@ def main() -> None:
         if not args.no_ray:
             result["ray_vs_local"] = ray_vs_local(tmp, args, result["scale"]["runs"]["1x"])
         if not args.no_datatrove:
-            result["datatrove"] = versus_datatrove(tmp, args)
+            with (sampler := Sampler()).running():  # in this process: both near-dup runs
+                result["datatrove"] = versus_datatrove(tmp, args)
+            result["datatrove"]["sampled"] = sampler.figures()
     result["load_average_at_end"] = os.getloadavg()
-    result["peak_rss_mb_bench_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1) + "\n")
     scale = result["scale"]

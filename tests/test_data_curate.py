@@ -67,6 +67,11 @@ def test_every_document_lands_in_exactly_one_cell(curated):
         sources = np.sort(np.concatenate([np.load(curated / f"{s}.{split}.npy")
                                           for s in meta["sources"]]))
         np.testing.assert_array_equal(joined, sources)
+    for source in meta["sources"]:  # each source's train tokens, spread over the cells
+        assert sum(c["source_train_tokens"].get(source, 0) for c in table.values()) == \
+            meta["train_tokens"][source]
+    assert all(sum(c["source_train_tokens"].values()) == c["train_tokens"]
+               for c in table.values())
     report = json.loads((curated / cells.CELLS_DIR / cells.REPORT_FILE).read_text())
     assert report["documents"] == len(kept)
     assert 0 < report["purity"] <= 1 and 0 <= report["nmi"] <= 1

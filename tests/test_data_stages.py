@@ -1,6 +1,7 @@
 """The staged pipeline: output independent of sharding and executor, resume after a kill,
 duplicate clusters, quality scores, and the real Ray executor."""
 
+import gzip
 import hashlib
 import os
 import random
@@ -11,15 +12,16 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from conftest import words_text, write_corpus
 
 from moelab.cli import main
-from moelab.data import executor, quality, stages
+from moelab.data import executor, ingest, quality, stages
 from moelab.data.dedup import BUCKET_WINDOW, bucket_pairs, cluster_roots
 from moelab.data.loader import read_meta
 from moelab.data.prepare import SHARD_DOCS, SMALL_CORPUS_DOCS, WORK_DIR, default_shard_docs, prepare
-from moelab.data.provenance import read_manifest
+from moelab.data.provenance import content_sha256, manifest_shards, read_manifest
 from moelab.errors import UserError
 
 SMALL = {"vocab_size": 300, "min_chars": 50}
@@ -171,10 +173,134 @@ def test_a_huge_file_is_too_long_without_being_read_whole(tmp_path):
     glob = write_corpus(tmp_path, "src", 3, 100, seed=7)
     huge = words_text(random.Random(8), 2000).encode()  # > 4 bytes per allowed character
     (tmp_path / "src" / "huge.txt").write_bytes(huge)
-    prepare(tmp_path / "data", {"docs": glob}, max_chars=len(huge) // 5, workers=1, **SMALL)
+    prepare(tmp_path / "data", {"docs": glob}, max_chars=len(huge) // 5, workers=1,
+            long_files="drop", **SMALL)
     record = {Path(r["path"]).name: r for r in read_manifest(tmp_path / "data")}["huge.txt"]
     assert record["reason"] == "too_long"
     assert record["sha256"] == hashlib.sha256(huge).hexdigest()  # of the bytes, streamed
+
+
+def paragraphs(rng: random.Random, n_bytes: int) -> str:
+    """~n_bytes of paragraphs (3-30 lines of 12 words over a 3,000-word vocabulary, one
+    blank line between them, a multi-byte word here and there): 20 MB in about a second,
+    where drawing every letter (words_text) takes twenty."""
+    vocab = words_text(rng, 3000).split() + ["naïve", "Straße", "\u6f22\u5b57", "\U0001f600"]
+    out, size = [], 0
+    while size < n_bytes:
+        words = rng.choices(vocab, k=12 * rng.randint(3, 30))
+        out.append("\n".join(" ".join(words[i : i + 12]) for i in range(0, len(words), 12)))
+        size += len(out[-1].encode()) + 2
+    return "\n\n".join(out) + "\n"
+
+
+class CountingReads:
+    """Wraps a binary file: records the size of every read, refuses a whole-file read."""
+
+    largest = 0
+
+    def __init__(self, file) -> None:
+        self.file = file
+
+    def read(self, n: int = -1) -> bytes:
+        assert n is not None and n >= 0, "a whole-file read"
+        data = self.file.read(n)
+        CountingReads.largest = max(CountingReads.largest, len(data))
+        return data
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_20_mb_file_is_streamed_into_pieces_that_hold_each_byte_once(tmp_path, monkeypatch,
+                                                                       gz):
+    """20 MB (gzip: the size comes from its trailer, a piece is reached by seeking through
+    the decompressed stream) in pieces of at most 1 MB, each cut after a blank line; the
+    pieces, each read as ingest reads it, put the file back together byte for byte, and
+    no read ever returned more than a piece plus the one byte that tells the end."""
+    data = paragraphs(random.Random(0), 20_000_000).encode()
+    path = tmp_path / ("big.txt.gz" if gz else "big.txt")
+    path.write_bytes(gzip.compress(data, 1) if gz else data)
+    opener = ingest.open_bytes
+    monkeypatch.setattr(ingest, "open_bytes", lambda p: CountingReads(opener(p)))
+    CountingReads.largest = 0
+    limit = 1_000_000
+    docs = ingest.list_documents({"big": [str(path)]}, piece_bytes=limit)
+    spans = [d.span for d in docs]
+    assert spans[0][0] == 0 and spans[-1][1] == len(data) and len(spans) >= 20
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # tiles
+    for start, end in spans:
+        assert end - start <= limit
+        if end < len(data):  # every cut after a blank line, none in the window's first half
+            assert data[end - 2 : end] == b"\n\n" and end - start > limit // 2
+    assert b"".join(ingest.read_bytes(str(path), span=s) for s in spans) == data
+    assert CountingReads.largest <= limit + 1
+
+
+def test_pieces_become_documents_that_keep_every_character(tmp_path):
+    """Text-level: each piece decodes whole (a cut inside a 200 kB line of multi-byte
+    characters moves back to a character boundary), fits max_chars and is kept; joined in
+    order they are the file's text, but for the line ends that a cut or normalization
+    (stripping a piece's leading and trailing ones) takes away."""
+    rng = random.Random(1)
+    text = paragraphs(rng, 300_000) + "\u00e9\u6f22" * 40_000 + "\n" + paragraphs(rng, 50_000)
+    path = tmp_path / "long.txt"
+    path.write_text(text)
+    docs = ingest.list_documents({"long": [str(path)]}, piece_bytes=20_000)
+    off = {name: (None, None) for name in quality.SCORES}
+    done = [ingest.process_document(d, min_chars=1, max_chars=20_000, thresholds=off)
+            for d in docs]
+    assert len(done) > 350_000 // 20_000
+    assert all(d.kept and "\ufffd" not in d.text and len(d.text) <= 20_000 for d in done)
+    assert "".join(d.text for d in done).replace("\n", "") == text.replace("\n", "")
+
+
+def test_prepare_splits_a_long_file_into_documents_that_name_their_range(tmp_path):
+    """`moelab data prepare` end to end: the long file's manifest records tile its bytes,
+    all kept and tokenized; a copy of one piece is a duplicate naming that piece; with
+    --long-files drop the file is one too_long record, as before."""
+    glob = write_corpus(tmp_path, "src", 4, 100, seed=9)
+    data = paragraphs(random.Random(2), 60_000).encode()
+    (tmp_path / "src" / "long.txt").write_bytes(data)
+    common = ["--source", f"docs={glob}", "--max-chars", "8000", "--min-chars", "50",
+              "--vocab-size", "300", "--workers", "1"]
+    assert main(["data", "prepare", "--out", str(tmp_path / "split"), *common]) == 0
+    pieces = [r for r in read_manifest(tmp_path / "split") if r["path"].endswith("long.txt")]
+    spans = [(r["byte_start"], r["byte_end"]) for r in pieces]
+    assert spans[0][0] == 0 and spans[-1][1] == len(data) and len(spans) >= 60_000 // 8000
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert all(r["status"] == "kept" and r["tokens"] > 0 for r in pieces)
+
+    start, end = spans[2]
+    (tmp_path / "src" / "zcopy.txt").write_bytes(data[start:end])  # listed after long.txt
+    assert main(["data", "prepare", "--out", str(tmp_path / "copy"), *common]) == 0
+    copy = {Path(r["path"]).name: r for r in read_manifest(tmp_path / "copy")}["zcopy.txt"]
+    assert copy["reason"] == f"exact_dup_of:{tmp_path / 'src' / 'long.txt'}[{start}:{end}]"
+    assert copy["byte_start"] is None  # a whole file
+
+    assert main(["data", "prepare", "--out", str(tmp_path / "drop"), *common,
+                 "--long-files", "drop"]) == 0
+    dropped = [r for r in read_manifest(tmp_path / "drop") if r["path"].endswith("long.txt")]
+    assert [(r["reason"], r["byte_start"]) for r in dropped] == [("too_long", None)]
+
+
+def test_a_manifest_written_before_pieces_reads_as_whole_files(tmp_path):
+    """Older datasets' manifests lack byte_start/byte_end: they still read (every
+    document a whole file) and hash to the same content_sha256."""
+    glob = write_corpus(tmp_path, "src", 4, 100, seed=10)
+    prepare(tmp_path / "data", {"docs": glob}, workers=1, **SMALL)
+    before = list(read_manifest(tmp_path / "data"))
+    for shard in manifest_shards(tmp_path / "data"):
+        pq.write_table(pq.read_table(shard).drop_columns(["byte_start", "byte_end"]), shard)
+    after = list(read_manifest(tmp_path / "data"))
+    assert after == before and all(r["byte_start"] is None for r in after)
+    assert content_sha256(after) == read_meta(tmp_path / "data")["content_sha256"]
 
 
 # ------------------------------------------------------------------------ quality

@@ -12,13 +12,13 @@ import yaml
 from conftest import tiny_config
 
 from moelab import cli
-from moelab.config import config_to_dict
+from moelab.config import config_from_dict, config_to_dict
 from moelab.errors import UserError
 from moelab.lab.report import MULTIPLIER
 from moelab.lab.store import Store
 from moelab.ladder.compare import compare_recipes, recipe_from_spec
-from moelab.ladder.results import run_dir
-from moelab.ladder.spec import load_spec
+from moelab.ladder.results import result, run_dir
+from moelab.ladder.spec import Rung, load_spec
 from moelab.train.rundir import CONFIG_FILE, METRICS_FILE
 
 L_INF, A, ALPHA = 2.0, 1.5, 0.3  # the base's true law: L = L_INF + A (C / C_REF)^-ALPHA
@@ -247,3 +247,35 @@ def test_the_dense_ladder_matches_the_moe_ladder_in_active_params_and_flops():
         assert d.compute == (6 * dense_active + attn_flops) * d.tokens
         assert m.compute == (6 * (dense_active + cm.n_layers * router) + attn_flops) * m.tokens
         assert m.compute / d.compute - 1 < 0.005  # the router: under 0.5% of the FLOPs
+
+
+def test_a_rung_on_a_cell_mixture_weighs_each_source_by_the_tokens_it_draws(tmp_path):
+    """A ladder run on `cell:` names (`moelab data curate`): the val splits are per source,
+    so the final loss weighs them by each source's share of what the cells draw. Here
+    d00/q0 is all code and d01/q0 is 1/5 code, 4/5 prose; at 3:1 the run draws code
+    0.75 + 0.25 x 0.2 = 0.8 and prose 0.2, so code 3.0 and prose 5.0 give 3.4."""
+    cells = {"d00/q0": {"train_tokens": 500, "val_tokens": 50,
+                        "source_train_tokens": {"code": 500}},
+             "d01/q0": {"train_tokens": 500, "val_tokens": 50,
+                        "source_train_tokens": {"code": 100, "prose": 400}}}
+    meta = {"vocab_size": 512, "eos_id": 0, "sources": ["code", "prose"],
+            "train_tokens": {"code": 600, "prose": 400}, "val_tokens": {"code": 60, "prose": 40},
+            "cells": {"cells": cells}}
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps(meta))
+    mixture = {"cell:d00/q0": 3.0, "cell:d01/q0": 1.0}
+    rung = Rung("r", config_from_dict(tiny_config(data, data={"mixture": mixture})))
+    run = tmp_path / "r"
+    run.mkdir()
+    steps = rung.config.train.steps
+    (run / METRICS_FILE).write_text(json.dumps(
+        {"step": steps, "val_loss/code": 3.0, "val_loss/prose": 5.0}) + "\n")
+    done = result(rung, run)
+    assert done.final_val_loss == pytest.approx(3.4, rel=1e-12)  # float rounding only
+    assert done.val_loss == {"code": 3.0, "prose": 5.0}
+
+    del cells["d01/q0"]["source_train_tokens"]  # a dataset curated by an older moelab
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="re-run `moelab data curate`"):
+        result(rung, run)

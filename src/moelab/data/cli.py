@@ -10,8 +10,8 @@ from moelab.errors import UserError
 from moelab.jobs.cli import add_ray_arguments, ray_options
 from moelab.schema import brief, float_in, int_in
 
-# `moelab data prepare`'s default document limit (characters): above it a file is dropped
-# as too_long without being read whole. `moelab train`'s default corpus passes its own.
+# `moelab data prepare`'s default document limit (characters): a longer file is split into
+# pieces of at most this many bytes, streamed. `moelab train`'s default corpus passes its own.
 MAX_CHARS = 1_000_000
 
 
@@ -50,9 +50,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="hash partitions of the dedup keys (default: one per 8 shards, "
                          "at most 64; raise it when a partition task grows too big)")
     prepare.add_argument("--max-chars", type=int_in(0), default=MAX_CHARS,
-                         help="longer documents are dropped as too_long; a file of more than "
-                         "4x this many bytes is never read whole (0 = no limit: a 15.7 MB "
-                         "file then costs ~3 GB in ingest and tokenize)")
+                         help="a file of more bytes is split into documents of at most this "
+                         "many, cut at blank lines or line ends and read piece by piece "
+                         "(0 = no limit: a 15.7 MB file then costs ~3 GB in ingest and "
+                         "tokenize)")
+    prepare.add_argument("--long-files", choices=["split", "drop"], default="split",
+                         help="split a file over --max-chars into pieces, or drop it as "
+                         "too_long unread (a file of 4x that many bytes is never read whole)")
     _executor_options(prepare)
     prepare.set_defaults(func=run_prepare)
 
@@ -169,7 +173,8 @@ def run_prepare(args: argparse.Namespace) -> int:
             val_fraction=args.val_fraction, min_chars=args.min_chars,
             max_docs_per_source=args.max_docs, workers=args.workers, use_ray=args.ray,
             quality_thresholds=parse_quality(args.quality), shard_docs=args.shard_docs,
-            partitions=args.partitions, max_chars=args.max_chars or None)
+            partitions=args.partitions, max_chars=args.max_chars or None,
+            long_files=args.long_files)
     return run_stats(argparse.Namespace(dir=args.out))
 
 

@@ -378,14 +378,19 @@ def write_cells(plan: CuratePlan, meta: dict, centroids: np.ndarray, domain_of: 
 
 
 def _provenance(every: pa.Table, name: str, final: dict[str, str]) -> dict:
-    """Token counts per split, documents per source, and which domain x bucket cells it
-    holds (a tail holds several)."""
+    """Token counts per split, documents and train tokens per source (what a loss weighted
+    by a cell mixture weighs the per-source val splits by), and which domain x bucket cells
+    it holds (a tail holds several)."""
     mine = every.filter(pc.equal(every["cell"], name))
     split, tokens = mine["split"].to_pylist(), mine["tokens"].to_pylist()
+    train_by_source: Counter = Counter()
+    for source, sp, t in zip(mine["source"].to_pylist(), split, tokens, strict=True):
+        train_by_source[source] += t if sp == "train" else 0
     return {**{f"{s}_tokens": sum(t for sp, t in zip(split, tokens, strict=True) if sp == s)
                for s in SPLITS},
             "documents": mine.num_rows,
             "sources": dict(sorted(Counter(mine["source"].to_pylist()).items())),
+            "source_train_tokens": dict(sorted(train_by_source.items())),
             "members": sorted(c for c, f in final.items() if f == name)}
 
 

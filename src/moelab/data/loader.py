@@ -152,6 +152,27 @@ def mixture_weights(meta: dict, split: str, mixture: dict[str, float]) -> np.nda
     return resolve_mixture(meta, split, mixture).weights
 
 
+def source_weights(meta: dict, mixture: dict[str, float]) -> dict[str, float]:
+    """Each source's share of the train tokens a mixture draws: its weights when it names
+    sources; for a mixture of cells, each cell's weight spread over the sources of its
+    train tokens (meta.json's cells[...]["source_train_tokens"]). The val splits are per
+    source, so a loss "weighted by the training mixture" weighs them by this."""
+    mix = resolve_mixture(meta, "train", mixture)
+    if not any(n.startswith(CELL_PREFIX) for n in mix.names):
+        return dict(zip(mix.names, mix.weights.tolist(), strict=True))
+    shares = dict.fromkeys(meta["sources"], 0.0)
+    for name, weight in zip(mix.names, mix.weights.tolist(), strict=True):
+        by_source = cells_of(meta)[name.removeprefix(CELL_PREFIX)].get("source_train_tokens")
+        if by_source is None:
+            raise UserError(f"meta.json's cell {name} has no source_train_tokens (curated by an "
+                            "older moelab); re-run `moelab data curate` on the dataset")
+        total = sum(by_source.values())
+        for source, tokens in by_source.items():
+            shares[source] += weight * tokens / total if total else 0.0
+    norm = sum(shares.values())
+    return {s: w / norm for s, w in shares.items()} if norm else shares
+
+
 class Batches:
     """`next(loader)` walks steps, `batch(step)` jumps: each batch is rows [B, S+1] of
     windows (source i, window k) of S + 1 tokens, read from the token streams."""

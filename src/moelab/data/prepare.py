@@ -75,6 +75,7 @@ SOURCE_PRESETS = {"default": DEFAULT_SOURCES, "installed": INSTALLED_SOURCES}
 # arguments calls it): about 2.5M tokens, plenty for the small models of the lab.
 DEFAULT_MAX_DOCS = 400
 DEFAULT_MAX_CHARS = 100_000  # a few multi-megabyte changelogs would dominate the prose
+LONG_FILES = ("split", "drop")  # what prepare does with a file of more than max_chars
 
 
 
@@ -94,12 +95,17 @@ def prepare(
     partitions: int | None = None,
     tokenizer_sample_chars: int = TOKENIZER_SAMPLE_CHARS,
     seed: int = 0,
+    long_files: str = "split",
 ) -> dict:
     """Build a dataset in out_dir; return meta.json's contents plus "seconds" and
     "peak_rss_mb" (driver per phase, largest task per stage) to locate time and memory.
 
     sources: {name: glob or globs, '!glob' excluding}; None = the default corpus.
-    Documents outside [min_chars, max_chars] after normalization are dropped, as are
+    A file of more than max_chars bytes of content is split into documents of at most
+    max_chars bytes at blank lines or line ends (long_files "split"; the pieces are read
+    one at a time, never the whole file) or dropped as too_long ("drop": what prepare did
+    before, kept for `moelab train`'s default corpus, whose streams the lab's measurements
+    used). Documents outside [min_chars, max_chars] after normalization are dropped, as are
     those failing a quality threshold ({score: [min, max]} over quality's defaults) and
     those in a near-duplicate cluster (MinHash Jaccard >= near_dup_threshold) behind its
     first document; about val_fraction of each source's documents are held out. workers /
@@ -112,10 +118,15 @@ def prepare(
     thresholds = quality.check_thresholds(quality_thresholds or {})
     if shard_docs is not None and shard_docs < 1 or (partitions is not None and partitions < 1):
         raise UserError("shard_docs and partitions must be >= 1")
+    if long_files not in LONG_FILES:
+        raise UserError(f"long_files {long_files!r} must be one of {LONG_FILES}")
+    if max_chars is not None and max_chars < 1:
+        raise UserError(f"max chars {max_chars} must be >= 1 (None: no limit)")
     globs = source_globs(DEFAULT_SOURCES if sources is None else sources)
     phases = _Phases()
     with phases("list"):
-        docs = list_documents(globs, max_docs_per_source)
+        docs = list_documents(globs, max_docs_per_source,
+                              piece_bytes=max_chars if long_files == "split" else None)
     bands, rows = lsh_bands(near_dup_threshold)
     if shard_docs is None:
         shard_docs = default_shard_docs(len(docs), workers)
@@ -132,8 +143,10 @@ def prepare(
                     max_docs_per_source=max_docs_per_source, quality_thresholds=thresholds,
                     minhash=dict(num_perm=NUM_PERM, shingle_words=SHINGLE_WORDS, bands=bands,
                                  rows=rows),
-                    tokenizer_sample_chars=tokenizer_sample_chars, seed=seed)
-    listing = hashlib.sha256("\n".join(f"{d.source}\t{d.path}" for d in docs).encode())
+                    tokenizer_sample_chars=tokenizer_sample_chars, seed=seed,
+                    long_files=long_files)
+    listing = hashlib.sha256("\n".join(f"{d.source}\t{d.path}\t{d.span}"
+                                       for d in docs).encode())
     created = not Path(out_dir).exists()
     _start_work(plan, stages.plan_fingerprint(plan, settings, listing.hexdigest()))
     stages.write_list(plan, docs)
@@ -250,7 +263,7 @@ def ensure_default_corpus(path: str | Path) -> Path:
     path = Path(path)
     if not (path / META_FILE).is_file():
         prepare(path, DEFAULT_SOURCES, max_docs_per_source=DEFAULT_MAX_DOCS,
-                max_chars=DEFAULT_MAX_CHARS)
+                max_chars=DEFAULT_MAX_CHARS, long_files="drop")
     return path
 
 

@@ -1,6 +1,7 @@
 """Provenance: the manifest, one record per input document, sharded; and the stats table.
 
-A record says where a document came from (source, path, sha256), whether it was kept,
+A record says where a document came from (source, path, and for a piece of a long file
+its byte range of the file's content, byte_start..byte_end; sha256), whether it was kept,
 why not (too_short, binary, quality_<score>, exact_dup_of:PATH, near_dup_of:PATH where
 PATH is the kept representative of its duplicate cluster), its quality scores, which
 split it went to and how many tokens it became, so any shard token can be traced to a
@@ -28,7 +29,23 @@ MANIFEST_SCHEMA = pa.schema([
     ("doc_id", pa.int64()), ("source", pa.string()), ("path", pa.string()),
     ("sha256", pa.string()), ("status", pa.string()), ("reason", pa.string()),
     ("split", pa.string()), ("tokens", pa.int64()), ("quality", QUALITY_TYPE),
+    ("byte_start", pa.int64()), ("byte_end", pa.int64()),
 ])
+# Manifests written before long files were split lack these: each of their documents is
+# a whole file, as a null range says.
+SPAN_COLUMNS = ("byte_start", "byte_end")
+
+
+def span_of(record: dict) -> tuple[int, int] | None:
+    """A list, ingest or manifest record's byte range of its file; None: the whole file."""
+    start = record.get("byte_start")
+    return None if start is None else (start, record["byte_end"])
+
+
+def locator(path: str, span: tuple[int, int] | None = None) -> str:
+    """A document's name in drop reasons and content hashes: its path, and for a piece of
+    a file its byte range, "path[start:end]"."""
+    return path if span is None else f"{path}[{span[0]}:{span[1]}]"
 
 
 def manifest_shards(data_dir: str | Path) -> list[Path]:
@@ -56,7 +73,8 @@ def content_sha256(records: Iterable[dict]) -> str:
     shows it here before any loss is compared."""
     digest = hashlib.sha256()
     for record in records:
-        digest.update(f"{record['source']}\t{record['path']}\t{record['sha256']}\n".encode())
+        where = locator(record["path"], span_of(record))
+        digest.update(f"{record['source']}\t{where}\t{record['sha256']}\n".encode())
     return digest.hexdigest()
 
 
@@ -68,6 +86,9 @@ def _manifest_table(shard: Path):
     except (pa.ArrowException, OSError) as err:
         raise SchemaError(shard, f"not a readable manifest shard ({bounded(str(err), 160)}); "
                                  "re-prepare the dataset") from None
+    for name in SPAN_COLUMNS:
+        if name not in table.column_names:
+            table = table.append_column(name, pa.nulls(table.num_rows, pa.int64()))
     have = {field.name: field.type for field in table.schema}
     wrong = [f"{f.name} ({have.get(f.name, 'missing')})" for f in MANIFEST_SCHEMA
              if have.get(f.name) != f.type]

@@ -1,6 +1,7 @@
 """The stages of `prepare`, each a task per shard (or per hash partition) over Parquet.
 
-    list       (driver)  list/part-S          doc_id, source, path, in canonical order
+    list       (driver)  list/part-S          doc_id, source, path, byte range (pieces of
+                                              a long file), in canonical order
     ingest     per shard ingest/part-S        read, decode, normalize, filter, score, sign
                          exact/part-S         (sha256, doc_id, path), a row group per partition
     exact      per part  exact/dropped-P      all but the first of each sha256
@@ -48,13 +49,15 @@ from tokenizers import Tokenizer
 from moelab.data import dedup
 from moelab.data.executor import Task
 from moelab.data.ingest import Document, process_document
-from moelab.data.provenance import MANIFEST_SCHEMA, QUALITY_TYPE
+from moelab.data.provenance import MANIFEST_SCHEMA, QUALITY_TYPE, locator, span_of
 from moelab.data.shards import atomic_write, read_table, write_table, write_text
 from moelab.data.tokenizer import EOS, TOKENIZER_FILE, train_tokenizer
 
-LIST = pa.schema([("doc_id", pa.int64()), ("source", pa.string()), ("path", pa.string())])
+SPAN = [("byte_start", pa.int64()), ("byte_end", pa.int64())]  # null: the whole file
+LIST = pa.schema([("doc_id", pa.int64()), ("source", pa.string()), ("path", pa.string()),
+                  *SPAN])
 INGEST = pa.schema([
-    ("doc_id", pa.int64()), ("source", pa.string()), ("path", pa.string()),
+    ("doc_id", pa.int64()), ("source", pa.string()), ("path", pa.string()), *SPAN,
     ("sha256", pa.string()), ("status", pa.string()), ("reason", pa.string()),
     ("quality", QUALITY_TYPE), ("chars", pa.int64()), ("text", pa.large_string()),
     ("signature", pa.list_(pa.uint32())),
@@ -146,8 +149,8 @@ def write_list(plan: Plan, docs: list[Document]) -> None:
         out = plan.shard_file("list", shard)
         if not done(out):
             lo, hi = plan.doc_range(shard)
-            rows = [{"doc_id": i, "source": docs[i].source, "path": docs[i].path}
-                    for i in range(lo, hi)]
+            rows = [{"doc_id": i, "source": docs[i].source, "path": docs[i].path,
+                     **_span_columns(docs[i].span)} for i in range(lo, hi)]
             write_table(out, pa.Table.from_pylist(rows, schema=LIST))
 
 
@@ -161,11 +164,12 @@ def ingest(plan: Plan, shard: int) -> None:
         return
     rows = []
     for listed in read_table(plan.shard_file("list", shard)).to_pylist():
-        doc = process_document(Document(listed["source"], listed["path"]),
+        doc = process_document(Document(listed["source"], listed["path"], span=span_of(listed)),
                                min_chars=plan.min_chars, max_chars=plan.max_chars,
                                thresholds=plan.thresholds)
         rows.append({"doc_id": listed["doc_id"], "source": doc.source, "path": doc.path,
-                     "sha256": doc.sha256, "status": doc.status, "reason": doc.reason,
+                     **_span_columns(doc.span), "sha256": doc.sha256, "status": doc.status,
+                     "reason": doc.reason,
                      "quality": doc.quality or None, "chars": len(doc.text) if doc.kept else 0,
                      "text": doc.text if doc.kept else None,
                      "signature": None if doc.signature is None else doc.signature.tolist()})
@@ -173,8 +177,20 @@ def ingest(plan: Plan, shard: int) -> None:
     kept = table.filter(pc.equal(table["status"], "kept"))
     part = np.array([int(h[:8], 16) % plan.partitions for h in kept["sha256"].to_pylist()],
                     np.int64)
-    write_partitioned(exact, kept.select(HASHES.names), part)
+    hashes = pa.table({"sha256": kept["sha256"], "doc_id": kept["doc_id"],
+                       "path": pa.array(_locators(kept), pa.string())}, schema=HASHES)
+    write_partitioned(exact, hashes, part)
     write_table(out, table)  # last: the ingest shard's presence means the task is done
+
+
+def _span_columns(span: tuple[int, int] | None) -> dict[str, int | None]:
+    return dict(zip(("byte_start", "byte_end"), span or (None, None), strict=True))
+
+
+def _locators(table: pa.Table) -> list[str]:
+    """What a drop reason calls each row's document: its path, and a piece's byte range."""
+    return [locator(row["path"], span_of(row))
+            for row in table.select(["path", "byte_start", "byte_end"]).to_pylist()]
 
 
 def exact_dedup(plan: Plan, part: int) -> None:
@@ -285,10 +301,11 @@ def cluster(plan: Plan) -> None:
     wanted = pa.array(sorted({x for p in pairs for x in p}), pa.int64())
     signatures, paths = {}, {}
     for shard in range(plan.shards):
-        table = read_table(plan.shard_file("ingest", shard), ["doc_id", "path", "signature"])
+        table = read_table(plan.shard_file("ingest", shard),
+                           ["doc_id", "path", "byte_start", "byte_end", "signature"])
         table = table.filter(pc.is_in(table["doc_id"], wanted))
-        for doc_id, path, sig in zip(*(table[c].to_pylist() for c in table.column_names),
-                                     strict=True):
+        for doc_id, path, sig in zip(table["doc_id"].to_pylist(), _locators(table),
+                                     table["signature"].to_pylist(), strict=True):
             signatures[doc_id], paths[doc_id] = np.asarray(sig, np.uint32), path
     confirmed = [(a, b) for a, b in sorted(pairs)
                  if dedup.jaccard(signatures[a], signatures[b]) >= plan.near_dup_threshold]
@@ -313,7 +330,8 @@ def decide(plan: Plan, shard: int) -> None:
     if done(out):
         return
     table = read_table(plan.shard_file("ingest", shard),
-                       ["doc_id", "source", "path", "sha256", "status", "reason", "quality"])
+                       ["doc_id", "source", "path", "byte_start", "byte_end", "sha256", "status",
+                        "reason", "quality"])
     dropped = _dropped_in(plan, [plan.path("exact", "dropped.parquet"),
                                  plan.path("clusters.parquet")], shard)
     rows = table.to_pylist()

@@ -15,13 +15,15 @@ from typing import Any
 import numpy as np
 
 from moelab.config import ConfigError, config_from_dict, config_to_dict, data_dir
-from moelab.data.loader import mixture_weights, read_meta
+from moelab.data.loader import read_meta, source_weights
 from moelab.errors import UserError
 from moelab.ladder.spec import LadderSpec, Rung, stable_end
 from moelab.schema import MapOf, Number, read_json, read_yaml
 from moelab.train.metrics import METRIC_SPEC, JsonlLog
 from moelab.train.rundir import CONFIG_FILE, METRICS_FILE
 
+# (for a mixture of cells, the weights are each source's share of the tokens it draws:
+# loader.source_weights)
 FINAL_LOSS = ("cross-entropy (nats/token) of the final model over every window of the "
               "validation split, averaged over data sources with the training mixture's weights")
 FINAL_BPB = ("bits per byte of the final model over every window of the validation split "
@@ -114,8 +116,7 @@ def result(rung: Rung, path: Path, metric: str = "loss") -> RunResult:
     mixture-weighted over sources; with "bpb_macro" the bits per byte, macro-averaged."""
     records = metrics(path)
     meta = read_meta(data_dir(rung.config.data.path))
-    weights = dict(zip(meta["sources"], mixture_weights(meta, "train", rung.config.data.mixture),
-                       strict=True))
+    weights = source_weights(meta, rung.config.data.mixture)
     scored = [r for r in records if any(k.startswith(VAL_PREFIX) for k in r)]
     if metric == "bpb_macro":
         if not all(BPB_MACRO in r for r in scored):
