@@ -45,11 +45,13 @@ RESULTS = Path(__file__).parent / "results" / "profile_step.json"
 # the model's named scopes, innermost wins ("dispatch/experts" is "experts")
 GROUPS = ("attention", "norm", "router", "dispatch", "experts", "dense_ffn", "embed", "head",
           "loss", "optimizer")
+TOP = 6  # ops listed per group
 SKIP = ("ThunkExecutor", "ThreadpoolListener", "end: ")  # runtime bookkeeping, not ops
 
 
-def instructions(hlo: str) -> dict[str, tuple[str, bool]]:
-    """{instruction name: (group, is a matmul)} from a compiled module's HLO text."""
+def instructions(hlo: str) -> dict[str, tuple[str, bool, str]]:
+    """{instruction name: (group, is a matmul, JAX name stack)} from a compiled module's
+    HLO text."""
     called: dict[str, str] = {}  # computation name -> its body text
     name, body = None, []
     for line in hlo.splitlines():
@@ -70,7 +72,7 @@ def instructions(hlo: str) -> dict[str, tuple[str, bool]]:
         calls = re.search(r"calls=%([\w.\-]+)", rest)
         matmul = op == "dot" or bool(calls and re.search(r"\sdot\(", called.get(calls.group(1),
                                                                                  "")))
-        table[inst] = (group, matmul)
+        table[inst] = (group, matmul, path.group(1) if path else "")
     return table
 
 
@@ -121,17 +123,21 @@ def profile(fn, args: tuple, steps: int) -> dict:
                 jax.block_until_ready(fn(*args))
         times = exclusive_times(out)
     groups: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "matmul_ms": 0.0})
+    ops: dict[str, list] = defaultdict(list)
     unknown = 0.0
     for name, seconds in times.items():
         if name not in table:
             unknown += seconds
             continue
-        group, matmul = table[name]
+        group, matmul, where = table[name]
         groups[group]["ms"] += 1e3 * seconds / steps
         groups[group]["matmul_ms"] += 1e3 * seconds / steps * matmul
+        ops[group].append((1e3 * seconds / steps, f"{name} <- {where}"))
     total = sum(g["ms"] for g in groups.values())
     rows = {k: {"ms": round(v["ms"], 3), "share": round(v["ms"] / total, 4),
-                "matmul_share_of_group": round(v["matmul_ms"] / v["ms"], 3) if v["ms"] else 0}
+                "matmul_share_of_group": round(v["matmul_ms"] / v["ms"], 3) if v["ms"] else 0,
+                # where to look next: the group's costliest ops and the code they came from
+                "top_ops": [f"{ms:.2f} ms {what}" for ms, what in sorted(ops[k])[::-1][:TOP]]}
             for k, v in sorted(groups.items(), key=lambda kv: -kv[1]["ms"])}
     matmul = sum(v["matmul_ms"] for v in groups.values())
     return {"op_ms_per_call_all_threads": round(total, 2), "matmul_share": round(matmul / total, 4),

@@ -59,12 +59,15 @@ def test_dropless_matches_reference(seed, batch, seq, n_experts, top_k, block, i
     np.testing.assert_allclose(np.asarray(y), reference_moe(x, routing, experts), atol=1e-5)
 
 
-def test_ragged_and_blocked_agree_including_gradients():
-    x, routing, experts, _ = random_problem(3, 2, 32, 16, 24, 8, 2)
+# (batch, seq, block): runs longer than 4 blocks; runs shorter than one block whose
+# shifted read starts inside the previous experts' rows (masked); fewer rows than 4 blocks
+@pytest.mark.parametrize("batch, seq, block", [(2, 32, 8), (1, 12, 8), (1, 5, 16)])
+def test_ragged_and_blocked_agree_including_gradients(batch, seq, block):
+    x, routing, experts, _ = random_problem(3, batch, seq, 16, 24, 8, 2)
 
     def loss(experts, x, impl):
         moe = MoEConfig(n_experts=8, top_k=2, dispatch="dropless", dropless_impl=impl,
-                        block_size=8)
+                        block_size=block)
         y, _ = DISPATCHES["dropless"](x, routing, experts, moe)
         return jnp.sum(jnp.sin(y))
 
