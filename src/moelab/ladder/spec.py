@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab.config import Config, ConfigError, config_from_dict, config_to_dict, preset_or_file
+from moelab.ladder.fit import CURVE_FORMS
 from moelab.schema import brief, read_yaml
 from moelab.train.metrics import active_params, flops_per_token, total_params
 from moelab.train.optimizer import width_factor
@@ -55,6 +56,9 @@ class FitOptions:
     seed: int = 0  # of the bootstrap's resampling
     noise_sd: float | None = None  # per-run seed sd (nats) when the spec has no replicates
     law: str = "chinchilla"  # whose value is the prediction: chinchilla | compute | curve
+    # the whole-curve law's form (moelab.ladder.curve): "q" (chosen by the rung-only
+    # backtests of bench/curve_law_study.py) or "tissue" (Tissue et al. 2024's)
+    curve_law: str = "q"
     # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
     # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
     metric: str = "loss"
@@ -254,6 +258,9 @@ def _fit_options(raw: Any) -> FitOptions:
     laws = ("chinchilla", "compute", "curve")
     if options.law not in laws:
         raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
+    if options.curve_law not in CURVE_FORMS:
+        raise ConfigError(f"fit.curve_law: {options.curve_law!r} is not one of "
+                          f"{sorted(CURVE_FORMS)}")
     if options.noise_sd is not None and not (
             isinstance(options.noise_sd, int | float) and options.noise_sd > 0):
         raise ConfigError(f"fit.noise_sd: must be a number > 0, got {options.noise_sd!r}")
