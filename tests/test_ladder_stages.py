@@ -122,3 +122,24 @@ def test_staged_ladder_end_to_end(tmp_path, small_corpus, monkeypatch, capsys):
     assert prediction.metric == LOSS_MIXTURE and "(named)" in basis
     assert observed == pytest.approx(report["actual"], rel=1e-6)
     assert np.isfinite(report["curve_median_abs_rel_error"])
+
+
+def test_curve_areas_follow_the_plan_aware_schedule(tmp_path):
+    """S1 grows by each step's tokens x lr / peak with the LR the run really uses: a stage's
+    restart (new warmup to 0.5x the peak) and its halved seq_len (doubled batch, so tokens
+    per step stay) show in S1 and S2; the plain whole-run schedule would miss the restart."""
+    from moelab.config import config_from_dict
+    from moelab.ladder.curve import schedule_areas
+    from moelab.train.optimizer import lr_schedule, run_schedule
+
+    stages = [{"mixture": {}}, {"start": 0.5, "seq_len": 16,
+                                "restart": {"warmup": 2, "peak_fraction": 0.5}}]
+    cfg = config_from_dict(tiny_config(tmp_path, train={"steps": 20}, stages=stages))
+    s1, s2 = schedule_areas(cfg)
+    lr = np.asarray(run_schedule(cfg)(np.arange(20)), float) / cfg.optim.lr
+    per_step = 4 * 32  # batch 4 x 32 = batch 8 x 16
+    assert np.diff(s1) == pytest.approx(per_step * lr, rel=1e-6)
+    assert lr[10:13] == pytest.approx([0.25, 0.375, 0.5])  # the re-warmup to 0.5x
+    plain = np.asarray(lr_schedule(cfg.optim, 20)(np.arange(20)), float) / cfg.optim.lr
+    assert s1[-1] < per_step * plain.sum() * 0.9  # the restart's lower peak is seen
+    assert np.diff(s2)[12:] == pytest.approx(per_step * (1 - lr[12:]), rel=1e-6)
