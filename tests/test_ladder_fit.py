@@ -151,10 +151,27 @@ def test_curve_law_recovers_a_schedule_aware_curve():
     s1 = np.tile([1e6, 2e6, 3e6, 4e6, 4.4e6, 4.5e6], 3)
     q = np.tile([0.0, 0.0, 0.0, 0.0, 0.05, 0.11], 3)
     loss = 1.2 + 30 * n**-0.3 + 300 * s1**-0.3 * (1 - 1.5 * q)
-    fit = fit_curve(n, s1, q, loss)
+    fit = fit_curve(n, s1, q * s1, loss)  # S2 = q S1
     assert (fit.b, fit.C) == pytest.approx((0.3, 1.5), rel=0.02)
-    assert float(fit.predict(8e5, 4e7, 0.11)) == pytest.approx(
+    assert float(fit.predict(8e5, 4e7, 0.11 * 4e7)) == pytest.approx(
         1.2 + 30 * 8e5**-0.3 + 300 * 4e7**-0.3 * (1 - 1.5 * 0.11), rel=2e-3)
+
+
+def test_tissue_curve_law_recovers_its_own_curve():
+    """Tissue et al.'s form, L = E + A N^-a + B S1^-b - C S2 (S's in units of the smallest
+    S1): exact points refit to their parameters, and the two forms differ where they should
+    (the drop grows with S2 in one, with the annealed fraction in the other)."""
+    n = np.repeat([1e5, 2e5, 4e5], 6)
+    s1 = np.tile([1e6, 2e6, 3e6, 4e6, 4.4e6, 4.5e6], 3)
+    s2 = np.tile([0.0, 0.0, 0.0, 0.0, 0.2e6, 0.5e6], 3)
+    loss = 1.2 + 30 * n**-0.3 + 300 * s1**-0.3 - 0.1 * s2 / 1e6
+    fit = fit_curve(n, s1, s2, loss, form="tissue")
+    assert fit.form == "tissue" and fit.D0 == 1e6
+    assert (fit.b, fit.C) == pytest.approx((0.3, 0.1), rel=0.02)
+    assert float(fit.predict(8e5, 4e7, 4e6)) == pytest.approx(
+        1.2 + 30 * 8e5**-0.3 + 300 * 4e7**-0.3 - 0.4, rel=2e-3)
+    with pytest.raises(FitError, match="fit.curve_law: 'nope'"):
+        fit_curve(n, s1, s2, loss, form="nope")
 
 
 def test_curve_reach_backtests_find_a_drift_that_only_shows_far_out():

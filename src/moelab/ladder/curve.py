@@ -5,15 +5,26 @@ rate give a lower loss (the WSD cooldown drop). Following Tissue et al. 2024 (lo
 function of the learning-rate area S1 and the annealing area S2), the ladder describes
 the state after t steps by
 
-    S1(t) = tokens_per_step * sum_{i<t} lr_i / lr_peak     (lr-weighted tokens)
-    S2(t) = tokens_per_step * sum_{i<t, i >= warmup} (lr_peak - lr_i) / lr_peak
-    q(t)  = S2 / S1                                        (fraction of the area annealed)
+    S1(t) = sum_{i<t} tokens_i * lr_i / lr_peak                  (lr-weighted tokens)
+    S2(t) = sum_{i<t, i >= warmup} tokens_i * (lr_peak - lr_i) / lr_peak   (annealing area)
 
-and fits L = E + A (N/N0)^-a + B (S1/D0)^-b (1 - C q) (moelab.ladder.fit.fit_curve).
-Tissue's law subtracts C * S2 itself, which grows with the decay's length: a target with
-8x the rungs' tokens would be credited an 8x larger cooldown drop. Here the drop scales the
-data term by the annealed fraction q instead, so runs with the same schedule shape get the
-same relative drop, and the final point of a WSD run reduces to Chinchilla's L(N, D).
+with lr_i the LR the run really uses at step i: the plan-aware schedule
+(`moelab.train.optimizer.run_schedule`), so a stage's restart (its new warmup, peak and
+decay) is seen by the law, and tokens_i the stage's own batch x seq_len. Two laws of the
+curve are fitted on these (moelab.ladder.fit.CURVE_FORMS):
+
+- "q" (the default):  L = E + A (N/N0)^-a + B (S1/D0)^-b (1 - C q),  q = S2 / S1.
+  The drop scales the data term by the annealed *fraction*, so runs with the same
+  schedule shape get the same relative drop, and a WSD run's final point reduces to
+  Chinchilla's L(N, D).
+- "tissue" (Tissue et al.'s published form):  L = E + A (N/N0)^-a + B (S1/D0)^-b - C S2/D0.
+  The drop grows with the decay's length in tokens: a target with 8x the rungs' tokens
+  is credited an 8x larger cooldown drop.
+
+bench/curve_law_study.py chose between them on rung-only backtests (fit on the early or
+narrow rungs' points, predict the rest): "q" won on both of the project's stored rung sets
+(bench/results/curve_law_study.json), so it stays the default; `fit.curve_law: tissue`
+selects the other.
 """
 
 from __future__ import annotations
@@ -24,14 +35,22 @@ from moelab.config import Config
 
 
 def schedule_areas(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
-    """(S1, q), each [steps + 1]: the state after t = 0..steps optimizer steps."""
-    from moelab.train.optimizer import lr_schedule
+    """(S1, S2), each [steps + 1]: the state after t = 0..steps optimizer steps."""
+    from moelab.train.optimizer import run_schedule
+    from moelab.train.plan import build_plan
 
     steps = cfg.train.steps
-    lr = np.asarray(lr_schedule(cfg.optim, steps)(np.arange(steps)), float) / cfg.optim.lr
-    per_step = cfg.data.batch_size * cfg.data.seq_len
+    lr = np.asarray(run_schedule(cfg)(np.arange(steps)), float) / cfg.optim.lr
+    plan = build_plan(cfg)
+    per_step = np.array([plan.at(i).batch_size * plan.at(i).seq_len for i in range(steps)],
+                        float)
     annealed = np.where(np.arange(steps) >= cfg.optim.warmup_steps, 1.0 - lr, 0.0)
-    s1 = per_step * np.concatenate([[0.0], np.cumsum(lr)])
-    s2 = per_step * np.concatenate([[0.0], np.cumsum(np.maximum(annealed, 0.0))])
-    q = np.divide(s2, s1, out=np.zeros_like(s1), where=s1 > 0)
-    return s1, q
+    s1 = np.concatenate([[0.0], np.cumsum(per_step * lr)])
+    s2 = np.concatenate([[0.0], np.cumsum(per_step * np.maximum(annealed, 0.0))])
+    return s1, s2
+
+
+def annealed_fraction(s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
+    """q = S2 / S1 (0 where S1 is 0)."""
+    s1, s2 = np.asarray(s1, float), np.asarray(s2, float)
+    return np.divide(s2, s1, out=np.zeros(np.broadcast(s1, s2).shape), where=s1 > 0)

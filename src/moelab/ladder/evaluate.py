@@ -36,5 +36,18 @@ def row_losses_fn(cfg: Config) -> Callable[[Any, np.ndarray], Any]:
 
 
 def make_evaluator(cfg: Config) -> Callable[[Any], dict[str, float]]:
-    """model -> {val_loss/<source>, val_bpb/<source>, val_bpb_macro} over every val window."""
-    return whole_split_evaluator(data_dir(cfg.data.path), cfg.data.seq_len, cfg.train.dtype)
+    """model -> {val_loss/<source>, val_bpb/<source>, val_bpb_macro, val_loss_mixture} over
+    every val window. val_loss_mixture is the ladder's own score (fit.metric "loss": the
+    sources' CE weighted by data.mixture), logged so the lab can score the ladder's
+    prediction on the target's run."""
+    from moelab.ladder.results import LOSS_MIXTURE, source_weights, weighted_loss
+
+    weights = source_weights(cfg)
+    evaluate = whole_split_evaluator(data_dir(cfg.data.path), cfg.data.seq_len,
+                                     cfg.train.dtype)
+
+    def with_mixture(model) -> dict[str, float]:
+        scores = evaluate(model)
+        return {**scores, LOSS_MIXTURE: weighted_loss(scores, weights)}
+
+    return with_mixture

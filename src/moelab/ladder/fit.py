@@ -99,7 +99,9 @@ class ChinchillaFit:
 
 @dataclass(frozen=True)
 class CurveFit:
-    """L(N, S1, q) = E + A (N / N0)^-a + B (S1 / D0)^-b (1 - C q) (see moelab.ladder.curve)."""
+    """A schedule-aware law of the whole curve (moelab.ladder.curve), `form` one of
+    CURVE_FORMS: "q" L = E + A (N/N0)^-a + B (S1/D0)^-b (1 - C q), "tissue"
+    L = E + A (N/N0)^-a + B (S1/D0)^-b - C S2/D0."""
 
     E: float
     A: float
@@ -113,18 +115,16 @@ class CurveFit:
     n: int
     at_bound: tuple[str, ...]
     condition: float = 1.0
+    form: str = "q"
 
-    def predict(self, n_params, s1, q):
-        features = np.stack(np.broadcast_arrays(np.asarray(n_params, float) / self.N0,
-                                                np.asarray(s1, float) / self.D0,
-                                                np.asarray(q, float)))
-        return _curve_law(curve_theta(self), features)[0]
+    def predict(self, n_params, s1, s2):
+        return CURVE_FORMS[self.form].law(curve_theta(self), _curve_features(
+            self.form, n_params, s1, s2, self.N0, self.D0))[0]
 
     def to_dict(self) -> dict:
         return {**asdict(self), "at_bound": list(self.at_bound),
                 "unidentified": self.condition > CONDITION_LIMIT,
-                "formula": "L = E + A (N/N0)^-a + B (S1/D0)^-b (1 - C q); S1 = lr-weighted "
-                           "tokens, q = annealing area / S1"}
+                "formula": CURVE_FORMS[self.form].formula}
 
 
 @dataclass(frozen=True)
@@ -362,13 +362,51 @@ def _two_term(theta, f):
     return e + n_term + d_term, grad
 
 
-def _curve_law(theta, f):
+def _q_law(theta, f):
     e, log_a, a, log_b, b, c = theta
     n_term, s_term = np.exp(log_a) * f[0] ** -a, np.exp(log_b) * f[1] ** -b
     keep = 1 - c * f[2]
     grad = np.stack([np.ones_like(n_term), n_term, -n_term * np.log(f[0]), s_term * keep,
                      -s_term * keep * np.log(f[1]), -s_term * f[2]])
     return e + n_term + s_term * keep, grad
+
+
+def _tissue_law(theta, f):
+    e, log_a, a, log_b, b, c = theta
+    n_term, s_term = np.exp(log_a) * f[0] ** -a, np.exp(log_b) * f[1] ** -b
+    grad = np.stack([np.ones_like(n_term), n_term, -n_term * np.log(f[0]), s_term,
+                     -s_term * np.log(f[1]), -f[2]])
+    return e + n_term + s_term - c * f[2], grad
+
+
+@dataclass(frozen=True)
+class CurveForm:
+    """One law of the whole curve: its function of (theta, features), the annealing
+    feature it reads (f[2]: "q" = S2/S1, "s2" = S2/D0), C's upper bound, its formula."""
+
+    law: Callable
+    anneal: str
+    c_max: float
+    formula: str
+
+
+CURVE_FORMS = {
+    "q": CurveForm(_q_law, "q", C_MAX, "L = E + A (N/N0)^-a + B (S1/D0)^-b (1 - C q); S1 = "
+                   "lr-weighted tokens, q = annealing area / S1"),
+    # C S2/D0 is a drop in nats per D0 tokens of annealing area; 50 allows a drop of the
+    # whole loss after ~0.1 D0 of area, far more than any run shows
+    "tissue": CurveForm(_tissue_law, "s2", 50.0, "L = E + A (N/N0)^-a + B (S1/D0)^-b - C "
+                        "S2/D0 (Tissue et al. 2024); S1 = lr-weighted tokens, S2 = annealing "
+                        "area"),
+}
+
+
+def _curve_features(form: str, n_params, s1, s2, n0: float, d0: float) -> np.ndarray:
+    from moelab.ladder.curve import annealed_fraction
+
+    n, s1, s2 = np.broadcast_arrays(*(np.asarray(v, float) for v in (n_params, s1, s2)))
+    anneal = annealed_fraction(s1, s2) if CURVE_FORMS[form].anneal == "q" else s2 / d0
+    return np.stack([n / n0, s1 / d0, anneal])
 
 
 def _grid(y: np.ndarray, extra: tuple[float, ...] = ()) -> list[np.ndarray]:
@@ -415,20 +453,26 @@ def chinchilla_theta(fit: ChinchillaFit) -> np.ndarray:
     return np.array([fit.E, math.log(fit.A), fit.a, math.log(fit.B), fit.b])
 
 
-def fit_curve(n_params: Sequence[float], s1: Sequence[float], q: Sequence[float],
-              loss: Sequence[float], start: np.ndarray | None = None) -> CurveFit:
-    """The schedule-aware law (moelab.ladder.curve) fitted to every evaluation point."""
-    n_arr, s1_arr, q_arr, y = (np.asarray(v, float) for v in (n_params, s1, q, loss))
+def fit_curve(n_params: Sequence[float], s1: Sequence[float], s2: Sequence[float],
+              loss: Sequence[float], start: np.ndarray | None = None,
+              form: str = "q") -> CurveFit:
+    """A schedule-aware law (moelab.ladder.curve, `form` in CURVE_FORMS) fitted to every
+    evaluation point: S1 lr-weighted tokens, S2 the annealing area at each."""
+    if form not in CURVE_FORMS:
+        raise FitError(f"fit.curve_law: {form!r} is not one of {sorted(CURVE_FORMS)}")
+    n_arr, s1_arr, s2_arr, y = (np.asarray(v, float) for v in (n_params, s1, s2, loss))
     _check_points(y, 6, n_arr, s1_arr)
     n0, d0 = float(n_arr.min()), float(s1_arr.min())
-    features = np.stack([n_arr / n0, s1_arr / d0, q_arr])
+    features = _curve_features(form, n_arr, s1_arr, s2_arr, n0, d0)
     starts = _grid(y, (0.0, 1.0)) if start is None else [start]
+    lower, upper = _two_term_bounds(y, 1)
+    upper[-1] = CURVE_FORMS[form].c_max
     theta, at_bound, rmse, condition = _approach3(
-        features, y, _curve_law, ("E", "log_A", "a", "log_B", "b", "C"),
-        _two_term_bounds(y, 1), starts)
+        features, y, CURVE_FORMS[form].law, ("E", "log_A", "a", "log_B", "b", "C"),
+        (lower, upper), starts)
     e, log_a, a, log_b, b, c = (float(v) for v in theta)
     return CurveFit(E=e, A=math.exp(log_a), a=a, B=math.exp(log_b), b=b, C=c, N0=n0, D0=d0,
-                    rmse=rmse, n=len(y), at_bound=at_bound, condition=condition)
+                    rmse=rmse, n=len(y), at_bound=at_bound, condition=condition, form=form)
 
 
 def curve_theta(fit: CurveFit) -> np.ndarray:

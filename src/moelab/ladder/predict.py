@@ -6,7 +6,11 @@
   one whose value is *the* prediction. Each gets a parametric-bootstrap interval from the
   measured seed noise (the target's own included) and a leave-one-compute-level-out
   backtest; parameters that end on a bound are flagged.
-- the whole curve: the curve law at each of the target's evaluation steps, with intervals.
+- the whole curve: the curve law (fit.curve_law) at each of the target's evaluation
+  steps, with intervals.
+- a staged target (`stages:`): the loss at the end of every stage, each with its interval
+  (`_stage_forecasts`): the same laws fitted on the rungs' losses at their end of that
+  stage, and the curve law at that step.
 - stability: the rungs' late grad norm and output log-normalizer vs compute, extrapolated
   to the target and compared with GRAD_NORM_LIMIT.
 - the learning-rate check: each probed rung's loss at lr * factor beside its own lr.
@@ -22,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from moelab.errors import UserError
 from moelab.ladder.curve import schedule_areas
 from moelab.ladder.fit import (
     FitError,
@@ -37,6 +42,8 @@ from moelab.ladder.fit import (
 )
 from moelab.ladder.results import METRICS, RunResult
 from moelab.ladder.spec import LadderSpec, Rung
+from moelab.train.metrics import flops_per_token
+from moelab.train.plan import build_plan
 
 GRAD_NORM_LIMIT = 4.0  # the public record's long ladder runs passed it before logit z-loss
 SECONDARY_BOOTSTRAP = 200  # refits for the laws that are not the pre-registered one
@@ -68,13 +75,13 @@ def pooled_sd(groups: list[list[float]]) -> tuple[float | None, int]:
 
 
 def _curve_points(spec: LadderSpec, results: list[RunResult]) -> dict[str, list]:
-    """Every evaluation after warmup, averaged over a point's replicates: N, S1, q, loss,
+    """Every evaluation after warmup, averaged over a point's replicates: N, S1, S2, loss,
     and the replicates' values (for the per-evaluation noise)."""
     by_name = {r.name: r for r in results}
-    out: dict[str, list] = {"n": [], "s1": [], "q": [], "loss": [], "groups": [], "level": []}
+    out: dict[str, list] = {"n": [], "s1": [], "s2": [], "loss": [], "groups": [], "level": []}
     for runs in spec.points().values():
         cfg = runs[0].config
-        s1, q = schedule_areas(cfg)
+        s1, s2 = schedule_areas(cfg)
         steps: dict[int, list[float]] = {}
         for r in runs:
             for e in by_name[r.name].curve:
@@ -83,7 +90,7 @@ def _curve_points(spec: LadderSpec, results: list[RunResult]) -> dict[str, list]
         for step, losses in sorted(steps.items()):
             out["n"].append(runs[0].active_params)
             out["s1"].append(s1[step])
-            out["q"].append(q[step])
+            out["s2"].append(s2[step])
             out["loss"].append(float(np.mean(losses)))
             out["groups"].append(losses)
             out["level"].append(runs[0].compute)
@@ -91,12 +98,13 @@ def _curve_points(spec: LadderSpec, results: list[RunResult]) -> dict[str, list]
 
 
 def _target_areas(target: Rung) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The target's evaluation steps (as the trainer will score them) and S1, q there."""
+    """The target's evaluation steps (as the trainer will score them) and S1, S2 there."""
     t = target.config.train
-    steps = sorted({*range(t.eval_every, t.steps + 1, t.eval_every), t.steps})
+    ends = build_plan(target.config).starts()  # a stage's end is evaluated too
+    steps = sorted({*range(t.eval_every, t.steps + 1, t.eval_every), *ends, t.steps})
     steps = [s for s in steps if s > target.config.optim.warmup_steps]
-    s1, q = schedule_areas(target.config)
-    return np.array(steps), s1[steps], q[steps]
+    s1, s2 = schedule_areas(target.config)
+    return np.array(steps), s1[steps], s2[steps]
 
 
 def forecast(spec: LadderSpec, results: list[RunResult],
@@ -125,12 +133,35 @@ def forecast(spec: LadderSpec, results: list[RunResult],
     c = np.array([r["compute"] for r in rows], float)
     y = np.array([r["mean"] for r in rows], float)
     point_sd = seed_sd / np.sqrt([len(r["losses"]) for r in rows])
+    steps, t_s1, t_s2 = _target_areas(target)
+    target_at = (target.active_params, target.tokens, target.compute)
+    laws = _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at)
+    laws["curve"] = _curve_law(spec, curve, eval_sd, steps, t_s1, t_s2)
+    law = options.law
+    if "value" not in laws[law]:
+        raise FitError(f"the pre-registered law {law!r} could not be fitted: "
+                       f"{laws[law]['skipped']}")
+    chosen = laws[law]
+    prediction = {"value": chosen["value"], "low": chosen["interval"]["low"],
+                  "high": chosen["interval"]["high"], "confidence": options.confidence,
+                  "method": chosen["interval"]["method"], "law": law,
+                  "at_bound": chosen["fit"].get("at_bound", []), "metric": METRICS[options.metric],
+                  "compute": target.compute}
+    out = {"prediction": prediction, "laws": laws, "points": rows, "noise": noise,
+           "stability": _stability_forecast(spec, results),
+           "lr_check": _lr_check(spec, results, lr_results),
+           "fit_options": asdict(options)}
+    if build_plan(target.config).staged:
+        out["stages"] = _stage_forecasts(spec, results, laws)
+    return out
+
+
+def _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at) -> dict[str, Any]:
+    """L(N, D) (approach 3) and L(C) on the IsoFLOP minima fitted to one loss per point
+    (the final loss, or the loss at a stage's end), each with its parametric-bootstrap
+    interval at the target and (L(N, D)) its leave-one-compute-level-out backtest."""
+    tn, td, tc = target_at
     levels = compute_levels(c)
-    steps, t_s1, t_q = _target_areas(target)
-    cn, cs1, cq, cy = (np.array(curve[k], float) for k in ("n", "s1", "q", "loss"))
-    curve_sd = np.full(len(cy), eval_sd) / np.sqrt([len(g) for g in curve["groups"]])
-    curve_levels = compute_levels(np.array(curve["level"]))
-    tn, td, tc = target.active_params, target.tokens, target.compute
     laws: dict[str, Any] = {}
 
     def samples(name: str) -> int:
@@ -141,7 +172,6 @@ def forecast(spec: LadderSpec, results: list[RunResult],
         return parametric_interval(refit, fitted, sd, seed_sd, value, samples(name),
                                    options.confidence, options.seed).to_dict()
 
-    # L(N, D): approach 3 on the points' means
     try:
         nd = fit_chinchilla(n, d, y)
         start = chinchilla_theta(nd)
@@ -157,7 +187,6 @@ def forecast(spec: LadderSpec, results: list[RunResult],
                 n[m], d[m], y[m], start).predict(n[~m], d[~m]))}
     except FitError as err:
         laws["chinchilla"] = {"skipped": str(err)}
-    # L(C) on the IsoFLOP minima
     try:
         minima = isoflop_minima(c, y)
         pc = fit_power_law(c[minima], y[minima])
@@ -168,18 +197,32 @@ def forecast(spec: LadderSpec, results: list[RunResult],
                                   float(pc.predict(tc)))}
     except FitError as err:
         laws["compute"] = {"skipped": str(err)}
-    # the curve law on every evaluation point, predicted at every target evaluation
+    return laws
+
+
+def _curve_law(spec: LadderSpec, curve: dict[str, list], eval_sd: float, steps: np.ndarray,
+               t_s1: np.ndarray, t_s2: np.ndarray) -> dict[str, Any]:
+    """The curve law (fit.curve_law) on every evaluation point, predicted at every target
+    evaluation, with its bootstrap band, backtests and extrapolation checks."""
+    options, target = spec.fit, spec.target
+    tn, form = target.active_params, options.curve_law
+    cn, cs1, cs2, cy = (np.array(curve[k], float) for k in ("n", "s1", "s2", "loss"))
+    curve_sd = np.full(len(cy), eval_sd) / np.sqrt([len(g) for g in curve["groups"]])
+    curve_levels = compute_levels(np.array(curve["level"]))
+    samples = options.bootstrap if options.law == "curve" else min(options.bootstrap,
+                                                                   SECONDARY_BOOTSTRAP)
     try:
-        cf = fit_curve(cn, cs1, cq, cy)
+        cf = fit_curve(cn, cs1, cs2, cy, form=form)
         cstart = curve_theta(cf)
-        path = cf.predict(tn, t_s1, t_q)
+        path = cf.predict(tn, t_s1, t_s2)
 
         def curve_refit(y_star):
-            return fit_curve(cn, cs1, cq, y_star, cstart).predict(tn, t_s1, t_q)
+            return fit_curve(cn, cs1, cs2, y_star, cstart, form).predict(tn, t_s1, t_s2)
 
-        band = _curve_band(_safe(curve_refit), cf.predict(cn, cs1, cq), curve_sd, eval_sd,
-                           samples("curve"), options.confidence, options.seed)
-        laws["curve"] = {
+        band = _curve_band(_safe(curve_refit), cf.predict(cn, cs1, cs2), curve_sd, eval_sd,
+                           samples, options.confidence, options.seed)
+        per_step = target.config.data.batch_size * target.config.data.seq_len
+        return {
             "fit": cf.to_dict(), "value": float(path[-1]),
             "interval": {"low": min(float(band[0][-1]), float(path[-1])),
                          "high": max(float(band[1][-1]), float(path[-1])),
@@ -188,29 +231,109 @@ def forecast(spec: LadderSpec, results: list[RunResult],
                                    "point redrawn with the pooled per-evaluation seed sd "
                                    f"{eval_sd:.4f} / sqrt(replicates), the target's seed sd "
                                    "added"},
-            "points": [{"step": int(s), "tokens": int(s) * target.config.data.batch_size
-                        * target.config.data.seq_len, "predicted": float(p),
+            "points": [{"step": int(s), "tokens": int(s) * per_step, "predicted": float(p),
                         "low": float(lo), "high": float(hi)}
                        for s, p, lo, hi in zip(steps, path, *band, strict=True)],
             "backtest": _backtest(curve_levels, cy, lambda m: fit_curve(
-                cn[m], cs1[m], cq[m], cy[m], cstart).predict(cn[~m], cs1[~m], cq[~m])),
-            "extrapolation": _curve_reach(cn, cs1, cq, cy, cstart, t_s1, t_q)}
+                cn[m], cs1[m], cs2[m], cy[m], cstart, form).predict(cn[~m], cs1[~m], cs2[~m])),
+            "extrapolation": {**_curve_reach(cn, cs1, cs2, cy, cstart, t_s1, t_s2, form),
+                              "epochs": _epochs(spec)}}
     except FitError as err:
-        laws["curve"] = {"skipped": str(err)}
-    law = options.law
-    if "value" not in laws[law]:
-        raise FitError(f"the pre-registered law {law!r} could not be fitted: "
-                       f"{laws[law]['skipped']}")
-    chosen = laws[law]
-    prediction = {"value": chosen["value"], "low": chosen["interval"]["low"],
-                  "high": chosen["interval"]["high"], "confidence": options.confidence,
-                  "method": chosen["interval"]["method"], "law": law,
-                  "at_bound": chosen["fit"].get("at_bound", []), "metric": METRICS[options.metric],
-                  "compute": tc}
-    return {"prediction": prediction, "laws": laws, "points": rows, "noise": noise,
-            "stability": _stability_forecast(spec, results),
-            "lr_check": _lr_check(spec, results, lr_results),
-            "fit_options": asdict(options)}
+        return {"skipped": str(err)}
+
+
+def _epochs(spec: LadderSpec) -> dict[str, float] | None:
+    """How many passes over the training tokens the longest rung and the target make.
+    The laws see no repetition: a target past the rungs' epochs is outside what they
+    measured (data-constrained scaling, Muennighoff et al. 2023)."""
+    from moelab.config import data_dir
+    from moelab.data.loader import read_meta
+
+    try:
+        meta = read_meta(data_dir(spec.target.config.data.path))
+    except (OSError, UserError):
+        return None
+    total = sum(meta["train_tokens"].values())
+    return {"train_tokens": total, "rungs_max": max(r.tokens for r in spec.rungs) / total,
+            "target": spec.target.tokens / total}
+
+
+def stage_ends(rung: Rung) -> list[tuple[int, str, int, int]]:
+    """(index, name, end step, tokens trained by then) of each stage of a run's plan."""
+    plan = build_plan(rung.config)
+    tokens = np.cumsum([0] + [plan.at(i).batch_size * plan.at(i).seq_len
+                              for i in range(rung.config.train.steps)])
+    return [(s.index, s.name, s.end, int(tokens[s.end])) for s in plan.stages]
+
+
+def _loss_at(run: RunResult, rung: Rung, step: int, by_name: dict[str, RunResult]) -> float:
+    """A run's whole-split loss after `step` updates: its own evaluation there, else (a
+    cooldown branch, which trains only after its branch step) its parent's."""
+    for source in (run, by_name.get(rung.parent or "")):
+        hit = [e["loss"] for e in (source.curve if source else []) if e["step"] == step]
+        if hit:
+            return float(hit[-1])
+    raise FitError(f"{rung.name} has no evaluation at step {step} (a stage's end); the "
+                   "trainer evaluates every stage boundary: retrain it with this moelab")
+
+
+def _stage_forecasts(spec: LadderSpec, results: list[RunResult],
+                     laws: dict[str, Any]) -> list[dict[str, Any]]:
+    """The loss at the end of every stage of the target, each pre-registered.
+
+    A stage that ends before the last is fitted on the rungs' losses at *their* end of that
+    stage (every rung runs the plan at the same fractions of its steps): L(N, D) and L(C)
+    on those losses, D the tokens trained by then, and the curve law at the target's step
+    of that end. The last stage's end is the final loss: the laws above. The value is
+    fit.law's, as for the final prediction; the others are reported beside it."""
+    by_name = {r.name: r for r in results}
+    rungs = {r.name: r for r in spec.rungs}
+    curve_at = {pt["step"]: pt for pt in laws["curve"].get("points", [])}
+    out = []
+    for index, name, end, tokens in stage_ends(spec.target)[:-1]:
+        rows = []
+        for point, runs in spec.points().items():
+            first_end = stage_ends(runs[0])[index]
+            losses = [_loss_at(by_name[r.name], rungs[r.name], first_end[2], by_name)
+                      for r in runs]
+            rows.append({"point": point, "losses": losses, "mean": float(np.mean(losses)),
+                         "active_params": runs[0].active_params, "tokens": first_end[3],
+                         "compute": flops_per_token(runs[0].config) * first_end[3]})
+        sd, _ = pooled_sd([r["losses"] for r in rows])
+        sd = sd if sd is not None else spec.fit.noise_sd
+        n, d, c, y = (np.array([r[k] for r in rows], float)
+                      for k in ("active_params", "tokens", "compute", "mean"))
+        point_sd = sd / np.sqrt([len(r["losses"]) for r in rows])
+        target_at = (spec.target.active_params, tokens, flops_per_token(spec.target.config)
+                     * tokens)
+        stage_laws = _endpoint_laws(spec.fit, n, d, c, y, point_sd, sd, target_at)
+        if end in curve_at:
+            pt = curve_at[end]
+            stage_laws["curve"] = {"value": pt["predicted"], "interval": {
+                "low": pt["low"], "high": pt["high"], "confidence": spec.fit.confidence,
+                "method": laws["curve"]["interval"]["method"]}, "fit": laws["curve"]["fit"]}
+        else:
+            stage_laws["curve"] = {"skipped": f"no curve-law point at step {end}"}
+        out.append(_stage_entry(spec, index, name, end, tokens, stage_laws, sd, rows))
+    index, name, end, tokens = stage_ends(spec.target)[-1]
+    out.append(_stage_entry(spec, index, name, end, tokens, laws, None, None))
+    return out
+
+
+def _stage_entry(spec: LadderSpec, index: int, name: str, end: int, tokens: int,
+                 laws: dict[str, Any], sd: float | None, rows: list | None) -> dict[str, Any]:
+    chosen = laws[spec.fit.law]
+    if "value" not in chosen:
+        raise FitError(f"stage {index} ({name or 'unnamed'}): the pre-registered law "
+                       f"{spec.fit.law!r} could not be fitted at its end (step {end}): "
+                       f"{chosen['skipped']}")
+    return {"index": index, "name": name, "end_step": end, "tokens": tokens,
+            "law": spec.fit.law, "value": chosen["value"], "low": chosen["interval"]["low"],
+            "high": chosen["interval"]["high"], "confidence": spec.fit.confidence,
+            "laws": laws if rows is not None else {k: {"value": v["value"],
+                                                       "interval": v["interval"]}
+                                                   for k, v in laws.items() if "value" in v},
+            "seed_sd": sd, "points": rows}
 
 
 def _safe(refit: Callable) -> Callable:
@@ -235,14 +358,14 @@ def _curve_band(refit, fitted, sd, target_sd, samples, confidence, seed):
     return np.percentile(paths, tail, axis=0), np.percentile(paths, 100 - tail, axis=0)
 
 
-def _curve_reach(cn, cs1, cq, cy, start, t_s1, t_q) -> dict[str, Any]:
+def _curve_reach(cn, cs1, cs2, cy, start, t_s1, t_s2, form: str = "q") -> dict[str, Any]:
     """How far the target's stable phase runs past the rungs' in lr-weighted tokens S1, and
     how the curve law does when it extrapolates within the rungs the way the target makes
     it (the level-out backtest never extrapolates along S1): fitted on the points with S1
     at most half the rungs' largest and scored on the rest (`s1_2x`); fitted without the
     widest rung and scored on it (`width`); both at once, scored on the widest rung's
     points past half the S1 (`joint`, the closest to what the target asks)."""
-    stable, t_stable = cq == 0, t_q == 0
+    stable, t_stable = cs2 == 0, t_s2 == 0
     reach: dict[str, Any] = {
         "rungs_stable_s1": float(cs1[stable].max()) if stable.any() else None,
         "target_stable_s1": float(t_s1[t_stable].max()) if t_stable.any() else None}
@@ -259,8 +382,8 @@ def _curve_reach(cn, cs1, cq, cy, start, t_s1, t_q) -> dict[str, Any]:
             reach["backtests"][name] = entry
             continue
         try:
-            predicted = fit_curve(cn[fit], cs1[fit], cq[fit], cy[fit], start).predict(
-                cn[scored], cs1[scored], cq[scored])
+            predicted = fit_curve(cn[fit], cs1[fit], cs2[fit], cy[fit], start, form).predict(
+                cn[scored], cs1[scored], cs2[scored])
             errors = (predicted - cy[scored]) / cy[scored]
             entry |= {"median_abs_rel_error": float(np.median(np.abs(errors))),
                       "mean_rel_error": float(np.mean(errors))}
@@ -330,6 +453,23 @@ def _lr_check(spec: LadderSpec, results: list[RunResult],
     return probes
 
 
+def _score_stage(stage: dict[str, Any], actual_at: dict[int, float]) -> dict[str, Any]:
+    """One pre-registered stage end against the target's evaluation at that step."""
+    y = actual_at.get(stage["end_step"])
+    scored = {"name": stage["name"], "index": stage["index"], "end_step": stage["end_step"],
+              "law": stage["law"], "predicted": stage["value"], "actual": y,
+              "interval": {"low": stage["low"], "high": stage["high"],
+                           "confidence": stage["confidence"]}}
+    if y is None:
+        return {**scored, "relative_error": None, "within_interval": None}
+    return {**scored, "relative_error": (stage["value"] - y) / y,
+            "within_interval": stage["low"] <= y <= stage["high"],
+            "laws": {name: {"value": law["value"], "relative_error": (law["value"] - y) / y,
+                            "within_interval": law["interval"]["low"] <= y
+                            <= law["interval"]["high"]}
+                     for name, law in stage["laws"].items() if "value" in law}}
+
+
 def compare(record: dict[str, Any], actual: RunResult) -> dict[str, Any]:
     """The finished target against the record: final, per law, per evaluation, stability."""
     y = actual.final_val_loss
@@ -347,6 +487,7 @@ def compare(record: dict[str, Any], actual: RunResult) -> dict[str, Any]:
     out["curve"] = rows
     out["curve_median_abs_rel_error"] = (float(np.median([abs(r["relative_error"])
                                                           for r in rows])) if rows else None)
+    out["stages"] = [_score_stage(stage, actual_at) for stage in record.get("stages", [])]
     forecast_ = record.get("stability", {})
     if "grad_norm_peak" in forecast_ and actual.stability:
         out["stability"] = {

@@ -48,6 +48,7 @@ def build_report(spec: LadderSpec, record: dict[str, Any], actual: RunResult) ->
         "noise": record["noise"],
         "curve_median_abs_rel_error": scored["curve_median_abs_rel_error"],
         "curve": scored["curve"],
+        "stages": scored["stages"],  # a staged target: each stage's end, predicted vs actual
         "curve_extrapolation": record["laws"].get("curve", {}).get("extrapolation"),
         "stability": {"forecast": record["stability"], "check": scored.get("stability")},
         "backtest": {name: law["backtest"] for name, law in record["laws"].items()
@@ -83,6 +84,20 @@ def _reach_lines(reach: dict[str, Any] | None) -> list[str]:
             f"{tests or 'not fitted'}"]
 
 
+def _stage_lines(stages: list[dict[str, Any]]) -> list[str]:
+    """Each stage's end: the pre-registered value, its interval and the measured loss."""
+    lines = []
+    for st in stages:
+        iv = st["interval"]
+        actual = "not evaluated" if st["actual"] is None else (
+            f"actual {st['actual']:.4f} ({_pct(st['relative_error'])}, "
+            f"{'inside' if st['within_interval'] else 'outside'} the interval)")
+        label = f"stage {st['index']}" + (f" ({st['name']})" if st["name"] else "")
+        lines.append(f"- {label} ends at step {st['end_step']}: predicted {st['predicted']:.4f} "
+                     f"[{iv['low']:.4f}, {iv['high']:.4f}] by `{st['law']}`; {actual}")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     iv, noise = report["interval"], report["noise"]
     lines = [
@@ -101,6 +116,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- whole curve: median |relative error| over the target's evaluations after "
         f"warmup **{_pct(report['curve_median_abs_rel_error']).lstrip('+')}**",
         *_reach_lines(report["curve_extrapolation"]),
+        *_stage_lines(report["stages"]),
         f"- seed noise: sd {noise['seed_sd']:.4f} nats per run at the end ({noise['dof']} "
         f"dof, {noise['source']}); {noise['eval_sd']:.4f} per evaluation point",
         f"- target at {report['compute_ratio']:.1f}x the largest rung's compute",

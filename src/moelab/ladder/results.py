@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from moelab.config import ConfigError, config_from_dict, config_to_dict, data_dir
-from moelab.data.loader import read_meta, source_weights
+from moelab.data.loader import read_meta
+from moelab.data.loader import source_weights as mixture_source_weights
 from moelab.errors import UserError
 from moelab.ladder.spec import LadderSpec, Rung, stable_end
 from moelab.schema import MapOf, Number, read_json, read_yaml
@@ -30,10 +31,12 @@ FINAL_BPB = ("bits per byte of the final model over every window of the validati
              "(tokenizer-independent), macro-averaged over data sources (each weighs the same)")
 # fit.metric -> what the ladder fits and predicts; "loss" is the default
 METRICS = {"loss": FINAL_LOSS, "bpb_macro": FINAL_BPB}
+LOSS_MIXTURE = "val_loss_mixture"  # the "loss" score as the ladder's evaluator logs it
 TIMINGS_FILE = "timings.json"
 TIMINGS_SPEC = MapOf({"wall_s": Number, "cpu_s": Number})
 VAL_PREFIX = "val_loss/"
 BPB_PREFIX, BPB_MACRO = "val_bpb/", "val_bpb_macro"
+LOGGED = {"loss": LOSS_MIXTURE, "bpb_macro": BPB_MACRO}  # fit.metric -> its logged name
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,16 @@ def check_run_dir(rung: Rung, path: Path) -> None:
                         "directory to retrain it, or run the ladder with another --out")
 
 
-def _weighted(record: dict, weights: dict[str, float]) -> float:
+def source_weights(config) -> dict[str, float]:
+    """{source: weight} of the run's data.mixture (by size when empty): the weights of the
+    ladder's "loss" score. A staged run keeps its data.mixture's weights in every stage, so
+    its curve is one yardstick across the switch."""
+    meta = read_meta(data_dir(config.data.path))
+    return mixture_source_weights(meta, config.data.mixture)
+
+
+def weighted_loss(record: dict, weights: dict[str, float]) -> float:
+    """The sources' val_loss/<source> in `record`, averaged with `weights`."""
     scored = {s: w for s, w in weights.items() if w > 0 and VAL_PREFIX + s in record}
     return float(sum(w * record[VAL_PREFIX + s] for s, w in scored.items())
                  / sum(scored.values()))
@@ -115,8 +127,7 @@ def result(rung: Rung, path: Path, metric: str = "loss") -> RunResult:
     """The finished run's scores on the whole val split: with metric "loss" the CE,
     mixture-weighted over sources; with "bpb_macro" the bits per byte, macro-averaged."""
     records = metrics(path)
-    meta = read_meta(data_dir(rung.config.data.path))
-    weights = source_weights(meta, rung.config.data.mixture)
+    weights = source_weights(rung.config)
     scored = [r for r in records if any(k.startswith(VAL_PREFIX) for k in r)]
     if metric == "bpb_macro":
         if not all(BPB_MACRO in r for r in scored):
@@ -125,7 +136,7 @@ def result(rung: Rung, path: Path, metric: str = "loss") -> RunResult:
                             "tokenizer.json); retrain it or use fit.metric: loss")
         score, prefix = (lambda r: float(r[BPB_MACRO])), BPB_PREFIX
     else:
-        score, prefix = (lambda r: _weighted(r, weights)), VAL_PREFIX
+        score, prefix = (lambda r: weighted_loss(r, weights)), VAL_PREFIX
     last = scored[-1]
     curve = [{"step": r["step"], "loss": score(r)} for r in scored]
     return RunResult(rung.name, rung.point or rung.name, rung.seed, rung.active_params,

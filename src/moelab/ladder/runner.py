@@ -2,8 +2,8 @@
 
 Each run lives in <out>/<name>/ and is trained by the ordinary trainer, which resumes a
 half-finished run from its last checkpoint, and scores it on the whole val split every
-1/evals of its steps (moelab.ladder.evaluate). A cooldown branch starts as a copy of its
-parent's checkpoint at the branch step, so the trainer "resumes" it there with the
+1/evals of its steps (moelab.ladder.evaluate). A cooldown branch starts from its parent's
+checkpoint at the branch step (the trainer's `--from` branching, lineage recorded) with the
 branch's own (shorter) schedule. A finished run (its last metrics record is the final step,
 scored) is not even reopened, so re-running a ladder costs nothing for the runs already
 done, and never touches their files.
@@ -11,7 +11,6 @@ done, and never touches their files.
 
 from __future__ import annotations
 
-import shutil
 import time
 from typing import Any
 
@@ -22,6 +21,7 @@ from moelab.ladder import prereg
 from moelab.ladder.predict import forecast
 from moelab.ladder.report import write_report
 from moelab.ladder.results import (
+    LOGGED,
     RunResult,
     add_time,
     check_run_dir,
@@ -31,19 +31,6 @@ from moelab.ladder.results import (
     run_dir,
 )
 from moelab.ladder.spec import LadderSpec, Rung
-
-
-def start_branch(spec: LadderSpec, rung: Rung) -> None:
-    """Seed a branch's run dir with its parent's checkpoint at the branch step (once)."""
-    path = run_dir(spec, rung) / "checkpoints"
-    if path.exists() and any(path.iterdir()):
-        return  # started before (the trainer resumes from its own newest checkpoint)
-    source = spec.out / rung.parent / "checkpoints" / str(rung.branch_step)
-    if not source.is_dir():
-        raise UserError(f"{rung.name} branches from {source}, which does not exist; delete "
-                        f"{spec.out / rung.parent} to retrain its parent with that checkpoint")
-    path.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(source, path / str(rung.branch_step))
 
 
 def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
@@ -60,17 +47,25 @@ def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
     from moelab.ladder.evaluate import make_evaluator
     from moelab.train import trainer  # jax is imported only when something trains
 
+    parent = None
     if rung.parent:
-        start_branch(spec, rung)
+        source = spec.out / rung.parent / "checkpoints" / str(rung.branch_step)
+        if not metrics(path) and not source.is_dir():
+            raise UserError(f"{rung.name} branches from {source}, which does not exist; "
+                            f"delete {spec.out / rung.parent} to retrain its parent with "
+                            "that checkpoint")
+        parent = trainer.Parent(spec.out / rung.parent, rung.branch_step)
     resuming = " (resuming)" if metrics(path) or rung.parent else ""
     print(f"{head}: training {rung.config.train.steps} steps{resuming}", flush=True)
     started, cpu = time.time(), time.process_time()
     trainer.prepared_data(rung.config)
-    # A branch resumes its parent's checkpoint under its own schedule: a config change
-    # at the branch step, accepted and recorded (the checkpoint's config is the parent's;
-    # check_run_dir above has already refused a run dir holding another config).
+    # A branch starts from its parent's checkpoint as `moelab train --from` does, under
+    # its own schedule and plan: a config change at the branch step, accepted and recorded
+    # (check_run_dir above has already refused a run dir holding another config). Its plan
+    # may end a stage earlier than the parent's (a staged ladder's stage at 80% of a
+    # shorter run): the steps before the branch are the parent's, as for the LR.
     trainer.train(rung.config, path, experiment, allow_config_change=bool(rung.parent),
-                  evaluator=make_evaluator(rung.config))
+                  evaluator=make_evaluator(rung.config), parent=parent)
     elapsed = time.time() - started
     add_time(spec.out, rung.name, elapsed, time.process_time() - cpu)
     done = result(rung, path, spec.fit.metric)
@@ -144,12 +139,15 @@ def _register_in_lab(spec: LadderSpec, record: dict[str, Any], experiment: str) 
                   "started, so it would not be a pre-registration", flush=True)
             return
         p = record["prediction"]
+        # scored on the target's run, on the metric its evaluator logs (LOGGED), so the lab
+        # scores it once the target has trained; p["metric"] describes that number
         store.add_prediction(experiment, name, p["value"], p["low"], p["high"],
                              {"preregistration": str(spec.out / prereg.PREREG_FILE),
-                              "sha256": record["sha256"], "metric": p["metric"],
+                              "sha256": record["sha256"], "metric": LOGGED[spec.fit.metric],
+                              "description": p["metric"],
                               "law": p["law"], "fit": record["laws"][p["law"]]["fit"],
                               "target": record["target"]["name"],
-                              "run": str(run_dir(spec, spec.target))})  # scored on it
+                              "run": str(run_dir(spec, spec.target))})
 
 
 def run_ladder(spec: LadderSpec, experiment: str | None = None, ray: str | None = None,

@@ -5,6 +5,8 @@ A spec is YAML:
     name: default                 # optional; default: the file's stem
     out: runs/ladder/default      # optional; default: runs/ladder/<name>
     base: {data: ..., optim: ...} # a partial config applied to every rung and the target
+                                  # (with `stages:`, every run runs that plan at the same
+                                  # fractions of its steps; see moelab.train.plan)
     seeds: [1, 2, 3]              # optional: every rung is trained once per seed
     evals: 10                     # optional: scored on the whole val split every 1/evals
     rungs:
@@ -37,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from moelab.config import Config, ConfigError, config_from_dict, config_to_dict, preset_or_file
+from moelab.ladder.fit import CURVE_FORMS
 from moelab.schema import brief, read_yaml
 from moelab.train.metrics import active_params, flops_per_token, total_params
 from moelab.train.optimizer import width_factor
+from moelab.train.plan import build_plan
 
 MIN_POINTS = 3  # L(C) has three parameters; more points leave residuals to check it by
 MIN_TARGET_RATIO = 8.0  # the target's compute over the largest rung's, at least
@@ -55,6 +59,9 @@ class FitOptions:
     seed: int = 0  # of the bootstrap's resampling
     noise_sd: float | None = None  # per-run seed sd (nats) when the spec has no replicates
     law: str = "chinchilla"  # whose value is the prediction: chinchilla | compute | curve
+    # the whole-curve law's form (moelab.ladder.curve): "q" (chosen by the rung-only
+    # backtests of bench/curve_law_study.py) or "tissue" (Tissue et al. 2024's)
+    curve_law: str = "q"
     # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
     # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
     metric: str = "loss"
@@ -159,9 +166,14 @@ def _int_list(raw: Any, where: str, minimum: int = 0) -> list[int]:
 
 def _ladder_fields(config: Config, evals: int, seed: int | None, checkpoint_every: int | None,
                    where: str) -> Config:
-    """The fields the ladder owns: seeds, evaluation points and (for trunks) checkpoints."""
+    """The fields the ladder owns: seeds, evaluation points and (for trunks) checkpoints.
+    A staged trunk is also evaluated at its branches' steps (checkpoint_every divides
+    them): that is where a branch's first stage ends, and the branch trains only after."""
     t = config.train
-    fields: dict[str, dict[str, Any]] = {"train": {"eval_every": max(t.steps // evals, 1)}}
+    every = max(t.steps // evals, 1)
+    if checkpoint_every is not None and config.stages:
+        every = checkpoint_every
+    fields: dict[str, dict[str, Any]] = {"train": {"eval_every": every}}
     if seed is not None:
         fields["train"]["seed"] = seed
         fields["data"] = {"seed": seed}
@@ -197,6 +209,15 @@ def _branch_starts(config: Config, branches: list[int], where: str) -> dict[int,
                 f"{start}, which must lie after warmup ({o.warmup_steps}) and inside the "
                 f"rung's stable phase (up to step {stable_end(config)} of {steps}); "
                 "choose shorter branches or a longer rung")
+        plans = (build_plan(config), build_plan(probe))
+        before = [[b for b in plan.starts() if b < start] for plan in plans]
+        if before[0] != before[1]:
+            raise ConfigError(
+                f"{where}.branches: a {length}-step branch starts at step {start} from the "
+                f"rung's checkpoint, but its stages would switch at steps {before[1]} before "
+                f"that and the rung's at {before[0]}: the branch would not be the {length}-"
+                "step run it stands for; place the stage switches at or after the decay "
+                "start (e.g. start: 0.8 with decay_fraction 0.2), or drop the branches")
         starts[length] = start
     return starts
 
@@ -254,6 +275,9 @@ def _fit_options(raw: Any) -> FitOptions:
     laws = ("chinchilla", "compute", "curve")
     if options.law not in laws:
         raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
+    if options.curve_law not in CURVE_FORMS:
+        raise ConfigError(f"fit.curve_law: {options.curve_law!r} is not one of "
+                          f"{sorted(CURVE_FORMS)}")
     if options.noise_sd is not None and not (
             isinstance(options.noise_sd, int | float) and options.noise_sd > 0):
         raise ConfigError(f"fit.noise_sd: must be a number > 0, got {options.noise_sd!r}")
@@ -324,8 +348,11 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
                           f"{sorted(SPEC_KEYS)}")
     name = raw.get("name", name)
     base = raw.get("base") or {}
-    if not isinstance(base, dict) or not all(isinstance(v, dict) for v in base.values()):
-        raise ConfigError("base: expected a mapping of config sections (model, data, ...)")
+    if not isinstance(base, dict) or not all(isinstance(v, list if k == "stages" else dict)
+                                             for k, v in base.items()):
+        raise ConfigError("base: expected a mapping of config sections (model, data, ...) "
+                          "and optionally `stages`, a list applied to every run at the same "
+                          "fractions of its steps")
     evals = raw.get("evals", 10)
     if not isinstance(evals, int) or isinstance(evals, bool) or not 1 <= evals <= 100:
         raise ConfigError(f"evals: evaluation points per run, an integer in [1, 100], "

@@ -389,8 +389,10 @@ class Trainer:
             if pending is not None:
                 self._complete(*pending)
             pending = (self.step, parts)
-            stage_end = t.keep_stage_checkpoints and self.step in self.plan.starts()
-            boundary = (self.step % t.eval_every == 0,
+            at_boundary = self.plan.staged and self.step in self.plan.starts()
+            stage_end = t.keep_stage_checkpoints and at_boundary
+            # a stage's end is always evaluated: the ladder predicts the loss there
+            boundary = (self.step % t.eval_every == 0 or at_boundary,
                         self.step % t.checkpoint_every == 0 or stage_end,
                         self.step % t.log_every == 0, self.step == t.steps)
             if any(boundary) or self.stop.requested:
