@@ -408,7 +408,11 @@ class Trainer:
         `optimizer: fresh`, start new AdamW moments (the LR keeps the run's step)."""
         stage = self.plan.at(self.step)
         if self.model.cfg != stage.model:  # its RoPE: from its first step, or on resume
-            self.model = with_model_config(self.model, stage.model)
+            # the AdamW moments are model-shaped trees: they carry the config too
+            swap = lambda node: (with_model_config(node, stage.model)
+                                 if isinstance(node, Transformer) else node)
+            self.model, self.opt_state = jax.tree.map(
+                swap, (self.model, self.opt_state), is_leaf=lambda n: isinstance(n, Transformer))
         if not self.plan.staged or stage.start != self.step:
             return
         if self.plan.fresh_optimizer_at(self.step):
