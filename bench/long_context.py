@@ -1,25 +1,30 @@
-"""Context extension study: pre-train the tiny preset at 128 tokens once, then extend it to
-1024 tokens with each RoPE scaling, and measure what each extension bought and cost.
+"""Context extension study: the tiny preset pre-trained at 128 tokens, then extended to
+1024 by a stage of its plan with each RoPE scaling, and what each extension bought and cost.
 
-    PYTHONPATH=src python bench/long_context.py [--seeds 0 1] [--cells ...] [--quick]
+    PYTHONPATH=src python bench/long_context.py [--cells ...] [--report]
 
-Recipe (the field's: OLMo 3's and Marin Snowball's long-context stages, scaled down):
-- pre-train: the tiny preset as shipped (seq_len 128, batch 16, 300 steps, WSD to 0.1x).
-- extension (one run per cell and seed): restore the pre-trained *weights only*
-  (`train.checkpoint.restore_weights`, what a later `moelab train --from RUN --weights-only`
-  can reuse) into a run at seq_len 1024 with batch 2 (tokens per step kept at 2048), for
-  5% of the pre-training tokens (15 steps), fresh AdamW, peak LR 10% of pre-training's
-  (its final LR) decaying linearly to 1% (Marin: 5% -> 1% of peak), and the cell's RoPE
-  change and attention-logit multiplier. The seed changes the extension's data order only.
-- cells: RoPE {no change, linear, ntk, llama3, yarn} x attn_logit_scale {1, YaRN's logit
-  factor at 8x, (0.1 ln 8 + 1)^2 = 1.459}, plus the pre-trained model without extension.
+Recipe (configs/stages/long_context.yaml; the field's long-context stage scaled down):
+- one run of 300 steps at seq_len 128, batch 16, WSD; its last 5% (steps 285..300) is the
+  extension stage: seq_len 1024, batch 2 (tokens per step kept at 2048), the optimizer
+  state and the whole-run LR decay continuing (0.33x -> 0.1x of peak: OLMo 3 extends in
+  its final decay), the stage's RoPE and attention-logit multiplier from its first step.
+- cells: the same plan with another extension stage, each a branch from the shared
+  pre-training's kept checkpoint at step 285 (`moelab train --from RUN@285`): RoPE
+  {no change, linear, ntk, llama3, yarn} x attn_logit_scale 1, yarn also at YaRN's logit
+  factor at 8x ((0.1 ln 8 + 1)^2 = 1.459), and the baseline whose last 15 steps stay at
+  128 tokens (not extended; equal tokens and LR). Its seed 0 is the pre-training run itself.
+  A seed is data.seed: it changes the extension stage's batches only (the branch starts
+  from the same weights and optimizer state).
 - evaluation (`moelab.eval.longctx`): loss by 128-position bucket on held-out documents of
-  >= 1025 tokens, passkey at 1x/2x/4x/8x and 5 depths, short-context loss at 128.
-- token dropping: the pre-trained router's drop fraction under capacity dispatch (cf 1.25,
-  one capacity group per sequence) and pooled dispatch (one pool per batch) on held-out
-  windows of 128 (batch 16) vs 1024 (batch 2), same tokens per batch.
+  >= 1025 tokens, the paired passkey (16 key pairs per depth, 5 depths, 1x/2x/4x/8x),
+  short-context loss at 128 over the whole val split.
+- is the passkey monotone in the extension's success? Spearman's rank correlation over the
+  cells between their 0-1024 loss and their 8x passkey gain (an exact permutation p-value).
+- token dropping: the pre-trained router's (step 285) drop fraction under capacity dispatch
+  (cf 1.25, one capacity group per sequence) and pooled dispatch (one pool per batch) on
+  held-out windows of 128 (batch 16) vs 1024 (batch 2), same tokens per batch.
 
-Writes bench/results/long_context.json (every cell) and long_context.png.
+Writes bench/results/long_context.json (every cell) and long_context.{md,png}.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import sys
@@ -36,18 +42,20 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import numpy as np
+import yaml
 
-from moelab.config import config_from_dict, config_to_dict, load_config
-from moelab.eval.longctx import evaluate
+from moelab.config import config_from_dict
+from moelab.eval.longctx import evaluate, pooled_gain
 from moelab.ladder.evaluate import windows
 from moelab.model import Transformer
-from moelab.train.checkpoint import load_latest, restore_weights
+from moelab.train.checkpoint import load_latest
 from moelab.train.interrupt import StopRequest
+from moelab.train.plan import build_plan
 from moelab.train.rundir import RunDirLock
-from moelab.train.trainer import Trainer, prepared_data, train
+from moelab.train.trainer import Parent, Trainer, prepared_data
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESET = ROOT / "src/moelab/presets/tiny.yaml"
+PLAN = ROOT / "configs/stages/long_context.yaml"
 RESULTS = ROOT / "bench/results"
 ORIGINAL, LONG = 128, 1024
 FACTOR = LONG / ORIGINAL
@@ -60,38 +68,36 @@ ROPES = {
     "yarn": {"type": "yarn", "factor": FACTOR, "original_max_position_embeddings": ORIGINAL},
 }
 SCALES = {"1": 1.0, "yarn": YARN_LOGIT}
+# cell -> seeds: two for the baseline, the best cell of the earlier study (yarn) and the
+# no-RoPE-change extension; one for the rest (the CPU budget: ~1 min of training and
+# ~1 min of evaluation per run on 2 cores)
+CELLS = {"baseline": (0, 1), "none/scale_1": (0, 1), "yarn/scale_1": (0, 1),
+         "linear/scale_1": (0,), "ntk/scale_1": (0,), "llama3/scale_1": (0,),
+         "yarn/scale_yarn": (0,)}
 
 
-def pretrain(run_dir: Path, steps: int) -> dict:
-    cfg = load_config(PRESET, {"train.steps": steps, "train.checkpoint_every": steps,
-                               "train.eval_every": steps})
-    if not (run_dir / "checkpoints" / str(steps)).exists():
-        train(cfg, run_dir)
-    return config_to_dict(cfg)
+def stage_of(cell: str, start: float) -> dict:
+    """The extension stage of a cell (the baseline's stays at the pre-training length)."""
+    if cell == "baseline":
+        return {"name": "no-extension", "start": start}
+    rope, scale = cell.split("/scale_")
+    return {"name": f"extend-{rope}", "start": start, "seq_len": LONG,
+            "model": {"rope": ROPES[rope], "attn_logit_scale": SCALES[scale]}}
 
 
-def extension_config(base: dict, rope: dict, scale: float, seed: int, steps: int):
-    raw = json.loads(json.dumps(base))
-    raw["model"].update(rope=rope, attn_logit_scale=scale)
-    raw["data"].update(seq_len=LONG, batch_size=base["data"]["batch_size"] * ORIGINAL // LONG,
-                       seed=seed)
-    peak = base["optim"]["lr"] * 0.1
-    raw["optim"].update(lr=peak, warmup_steps=1, schedule="wsd", decay_fraction=1.0,
-                        min_lr_ratio=0.1)
-    raw["train"].update(steps=steps, seed=seed, eval_every=steps, checkpoint_every=steps,
-                        log_every=max(1, steps // 3))
+def cell_config(plan: dict, cell: str, seed: int):
+    raw = json.loads(json.dumps(plan))
+    raw["stages"][1] = stage_of(cell, raw["stages"][1]["start"])
+    raw["data"]["seed"] = seed
     return config_from_dict(raw)
 
 
-def extend(pre_dir: Path, run_dir: Path, cfg) -> float:
-    """Train one extension run from the pre-trained weights; returns its wall seconds."""
+def train_cell(cfg, run_dir: Path, parent: Parent | None) -> float:
+    """Train one run of the plan (a branch from `parent` if given); its wall seconds."""
     started = time.time()
     if not (run_dir / "checkpoints" / str(cfg.train.steps)).exists():
         with RunDirLock(run_dir), StopRequest() as stop:
-            trainer = Trainer(cfg, run_dir, stop=stop)
-            if trainer.step == 0:
-                trainer.model = restore_weights(pre_dir, trainer.model, cfg)
-            trainer.run()
+            Trainer(cfg, run_dir, stop=stop, allow_config_change=True, parent=parent).run()
     return time.time() - started
 
 
@@ -125,11 +131,26 @@ def cell_numbers(run: dict) -> dict[str, float]:
     buckets = run["loss_by_position"]["buckets"]
     keys = run["passkey"]
     mean = lambda rows, k: float(np.mean([r[k] for r in rows]))
+    gains = {m: pooled_gain(keys[m]) for m in keys}
     return {"loss_8x": float(np.mean([b["loss"] for b in buckets])),
             "loss_last": buckets[-1]["loss"], "short": run["short_context_loss"]["mean"],
             **{f"logprob_{m}": mean(keys[m], "key_logprob") for m in keys},
-            **{f"gain_{m}": mean(keys[m], "retrieval_gain") for m in keys},
+            **{f"gain_{m}": g for m, (g, _) in gains.items()},
+            **{f"gain_se_{m}": se for m, (_, se) in gains.items()},
             "exact_8x": mean(keys["8x"], "exact")}
+
+
+def rank_correlation(x: list[float], y: list[float]) -> dict[str, float]:
+    """Spearman's rho of x and y and its exact two-sided permutation p-value (every
+    ordering of y: 5040 for 7 cells)."""
+    from scipy.stats import rankdata
+
+    rx, ry = rankdata(x), rankdata(y)
+    rho = lambda b: float(np.corrcoef(rx, b)[0, 1])
+    observed = rho(ry)
+    perms = [rho(np.asarray(p)) for p in itertools.permutations(ry)]
+    p = float(np.mean([abs(r) >= abs(observed) - 1e-12 for r in perms]))
+    return {"spearman_rho": observed, "p_value": p, "cells": len(x)}
 
 
 def _mean_sd(m: dict, sd: dict, k: str) -> str:
@@ -137,17 +158,19 @@ def _mean_sd(m: dict, sd: dict, k: str) -> str:
 
 
 def report(results: dict, out: Path) -> str:
-    """A markdown table (mean +- sd over seeds) and a plot of loss by position."""
+    """A markdown table (mean +- sd over seeds), the passkey/loss rank correlation (also
+    stored in the JSON) and a plot of loss by position."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base = cell_numbers(results["cells"]["baseline"]["seeds"]["-"])
+    base = cell_numbers(results["cells"]["baseline"]["seeds"]["0"])
     lines = ["| cell | seeds | loss 0-1024 | loss 896-1024 | short loss (128) | vs not "
-             "extended | passkey logprob 8x | retrieval gain 1x / 8x | exact 8x |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "extended | passkey logprob 8x | passkey gain 1x | passkey gain 8x (+- se) | "
+             "exact 8x |", "|---|---|---|---|---|---|---|---|---|---|"]
     fig, ax = plt.subplots(figsize=(7, 4))
+    means = {}
     for name, cell in results["cells"].items():
         runs = [cell_numbers(r) for r in cell["seeds"].values()]
         if not runs:
@@ -155,16 +178,28 @@ def report(results: dict, out: Path) -> str:
         m = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
         sd = {k: float(np.std([r[k] for r in runs], ddof=1)) if len(runs) > 1 else float("nan")
               for k in runs[0]}
+        means[name] = m
         pm = functools.partial(_mean_sd, m, sd)
+        # the gain's se over seeds: each seed's se, combined for their mean
+        se = math.sqrt(sum(r["gain_se_8x"] ** 2 for r in runs)) / len(runs)
         lines.append(f"| {name} | {len(runs)} | {pm('loss_8x')} | {pm('loss_last')} | "
                      f"{pm('short')} | {100 * (m['short'] / base['short'] - 1):+.2f}% | "
-                     f"{pm('logprob_8x')} | {m['gain_1x']:+.2f} / {m['gain_8x']:+.2f} | "
-                     f"{m['exact_8x']:.2f} |")
+                     f"{pm('logprob_8x')} | {m['gain_1x']:+.2f} | {m['gain_8x']:+.2f} +- "
+                     f"{se:.2f} | {m['exact_8x']:.2f} |")
         first = next(iter(cell["seeds"].values()))["loss_by_position"]["buckets"]
         curves = np.mean([[b["loss"] for b in r["loss_by_position"]["buckets"]]
                           for r in cell["seeds"].values()], axis=0)
         ax.plot([b["start"] for b in first], curves, marker=".", label=name,
                 linestyle="--" if name == "baseline" else "-")
+    names = list(means)
+    results["passkey_vs_loss"] = {
+        "cells": names, **rank_correlation([means[n]["loss_8x"] for n in names],
+                                           [means[n]["gain_8x"] for n in names])}
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    corr = results["passkey_vs_loss"]
+    lines.append(f"\nSpearman rho(loss 0-1024, passkey gain 8x) over {corr['cells']} cells = "
+                 f"{corr['spearman_rho']:+.2f} (exact permutation p = {corr['p_value']:.3f}; "
+                 "monotone in the extension's success would be -1)")
     ax.set(xlabel="position bucket start (tokens)", ylabel="held-out CE",
            title="loss by position after extension 128 -> 1024")
     ax.legend(fontsize=7)
@@ -177,84 +212,66 @@ def report(results: dict, out: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--ropes", nargs="+", default=list(ROPES), choices=list(ROPES))
-    parser.add_argument("--scales", nargs="+", default=list(SCALES), choices=list(SCALES))
-    parser.add_argument("--pretrain-steps", type=int, default=300)
-    parser.add_argument("--trials", type=int, default=4, help="passkeys per length and depth")
-    parser.add_argument("--work", type=Path, default=ROOT / "runs/long_context")
+    parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
+    parser.add_argument("--trials", type=int, default=16,
+                        help="passkey pairs per length and depth")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs/long_context_plan")
     parser.add_argument("--out", type=Path, default=RESULTS / "long_context.json")
     parser.add_argument("--report", action="store_true",
                         help="only write the table and plot from --out")
-    parser.add_argument("--merge", type=Path, nargs="+", default=[],
-                        help="result files of runs split over processes: their cells' seeds "
-                        "are merged into --out, then the report is written")
     args = parser.parse_args()
-    if args.merge:
-        merged = json.loads(args.merge[0].read_text())
-        for path in args.merge[1:]:
-            for name, cell in json.loads(path.read_text())["cells"].items():
-                merged["cells"].setdefault(name, {**cell, "seeds": {}})["seeds"].update(
-                    cell["seeds"])
-        merged["seeds"] = sorted({int(s) for c in merged["cells"].values()
-                                  for s in c["seeds"] if s != "-"})
-        merged.pop("wall_s", None)
-        args.out.write_text(json.dumps(merged, indent=1) + "\n")
-    if args.report or args.merge:
+    if args.report:
         print(report(json.loads(args.out.read_text()), args.out))
         return
 
     started = time.time()
-    pre_dir = args.work / "pretrain"
-    base = pretrain(pre_dir, args.pretrain_steps)
-    data_dir = prepared_data(config_from_dict(base))
-    ext_steps = max(1, round(0.05 * args.pretrain_steps))
+    plan = yaml.safe_load(PLAN.read_text())
+    pre_dir = args.work / "baseline_seed0"  # the pre-training: the plan, not extended
+    base_cfg = cell_config(plan, "baseline", 0)
+    boundary = build_plan(base_cfg).starts()[0]
+    data_dir = prepared_data(base_cfg)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if "plan" not in results.get("recipe", {}):  # another study's file: start afresh
+        results = {}
     results.update({
-        "recipe": {"pretrain_steps": args.pretrain_steps, "pretrain_seq_len": ORIGINAL,
-                   "pretrain_batch": base["data"]["batch_size"], "extension_steps": ext_steps,
-                   "extension_seq_len": LONG,
-                   "extension_batch": base["data"]["batch_size"] * ORIGINAL // LONG,
-                   "extension_lr": [base["optim"]["lr"] * 0.1, base["optim"]["lr"] * 0.01],
-                   "yarn_logit_scale": YARN_LOGIT, "passkey_trials": args.trials},
-        "seeds": args.seeds,
+        "recipe": {"plan": str(PLAN.relative_to(ROOT)), "steps": base_cfg.train.steps,
+                   "extension_start": boundary, "pretrain_seq_len": ORIGINAL,
+                   "pretrain_batch": base_cfg.data.batch_size, "extension_seq_len": LONG,
+                   "extension_batch": build_plan(cell_config(plan, "yarn/scale_1", 0)).stages[
+                       1].batch_size, "yarn_logit_scale": YARN_LOGIT,
+                   "passkey_trials": args.trials},
     })
     cells = results.setdefault("cells", {})
-    pre_model, _, _ = load_latest(pre_dir)
-    if "baseline" not in cells:
-        t = time.time()
-        cells["baseline"] = {"rope": "none (not extended)", "attn_logit_scale": 1.0,
-                             "seeds": {"-": evaluate(pre_model, data_dir, ORIGINAL,
-                                                     trials=args.trials)},
-                             "eval_s": time.time() - t}
-        print(f"baseline evaluated in {time.time() - t:.0f}s", flush=True)
-    if "drops" not in results:
-        results["drops"] = drop_fractions(pre_model, data_dir, ORIGINAL * base["data"][
-            "batch_size"])
-        print("drops", json.dumps(results["drops"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    for rope in args.ropes:
-        for scale in args.scales:
-            name = f"{rope}/scale_{scale}"
-            cell = cells.setdefault(name, {"rope": ROPES[rope], "attn_logit_scale":
-                                           SCALES[scale], "seeds": {}})
-            for seed in args.seeds:
-                if str(seed) in cell["seeds"]:
-                    continue
-                cfg = extension_config(base, ROPES[rope], SCALES[scale], seed, ext_steps)
-                run_dir = args.work / f"{rope}_scale_{scale}_seed{seed}"
-                train_s = extend(pre_dir, run_dir, cfg)
-                model, _, _ = load_latest(run_dir)
-                t = time.time()
-                cell["seeds"][str(seed)] = {**evaluate(model, data_dir, ORIGINAL,
-                                                       trials=args.trials),
-                                            "train_s": train_s, "eval_s": time.time() - t}
-                args.out.write_text(json.dumps(results, indent=1) + "\n")
-                last = cell["seeds"][str(seed)]["loss_by_position"]["buckets"][-1]["loss"]
-                print(f"{name} seed {seed}: last-bucket loss {last:.4f} "
-                      f"(train {train_s:.0f}s, eval {time.time() - t:.0f}s, total "
-                      f"{time.time() - started:.0f}s)", flush=True)
+    for name in args.cells:
+        rope = "none (not extended)" if name == "baseline" else ROPES[name.split("/")[0]]
+        cell = cells.setdefault(name, {"stage": stage_of(name, plan["stages"][1]["start"]),
+                                       "rope": rope, "seeds": {}})
+        for seed in CELLS[name]:
+            if str(seed) in cell["seeds"]:
+                continue
+            first = name == "baseline" and seed == 0
+            run_dir = pre_dir if first else args.work / f"{name.replace('/', '_')}_seed{seed}"
+            train_s = train_cell(cell_config(plan, name, seed), run_dir,
+                                 None if first else Parent(pre_dir, boundary))
+            model, cfg, _ = load_latest(run_dir)
+            # the checkpoint loads with the extension stage's RoPE (what export would write)
+            assert cfg.model == build_plan(cell_config(plan, name, seed)).stages[-1].model
+            t = time.time()
+            cell["seeds"][str(seed)] = {**evaluate(model, data_dir, ORIGINAL,
+                                                   trials=args.trials),
+                                        "train_s": train_s, "eval_s": time.time() - t}
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+            numbers = cell_numbers(cell["seeds"][str(seed)])
+            print(f"{name} seed {seed}: loss 0-1024 {numbers['loss_8x']:.4f}, passkey gain "
+                  f"8x {numbers['gain_8x']:+.2f} +- {numbers['gain_se_8x']:.2f} (train "
+                  f"{train_s:.0f}s, eval {time.time() - t:.0f}s, total "
+                  f"{time.time() - started:.0f}s)", flush=True)
+    if "drops" not in results:
+        pre_model, _, _ = load_latest(pre_dir, only_step=boundary)
+        results["drops"] = drop_fractions(pre_model, data_dir, ORIGINAL * base_cfg.data
+                                          .batch_size)
+        print("drops", json.dumps(results["drops"]), flush=True)
     results["wall_s"] = time.time() - started
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(report(results, args.out))

@@ -8,6 +8,7 @@ import pytest
 
 from moelab.config import config_from_dict, config_to_dict, load_config
 from moelab.errors import UserError
+from moelab.eval import longctx
 from moelab.eval.longctx import documents, loss_by_position, passkey_row
 from moelab.model import Transformer
 
@@ -20,6 +21,42 @@ def test_passkey_row_puts_the_needle_at_its_depth_and_the_key_last():
         assert at == round(depth * 100) and list(row[at:at + 3]) == [1, 2, 3]
         assert list(row[-4:]) == [7, 8, 5, 6] and len(row) == 107
         assert sorted(row[row >= 100]) == list(fill)  # all filler, in order, kept
+
+
+def test_passkey_pairs_differ_only_in_the_inserted_key(small_corpus, monkeypatch):
+    """A trial's two rows share filler, depth and query (ending with the real key) and
+    differ only in the key inside the needle; the gain is the mean paired difference of the
+    real key's log-prob and gain_se its sd / sqrt(trials). The model is replaced by random
+    per-token losses, so the arithmetic is checked against the rows actually scored."""
+    from moelab.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(small_corpus)
+    filler = np.arange(1000, 4000) % 500 + 10
+    scored = {}
+
+    def fake_score(model, rows):
+        scored["rows"] = rows
+        scored["losses"] = np.random.default_rng(0).uniform(0, 5, rows[:, 1:].shape)
+        return scored["losses"], np.zeros(rows[:, 1:].shape, bool)
+
+    monkeypatch.setattr(longctx, "_score", fake_score)
+    (result,) = longctx.passkey(None, tokenizer, filler, 200, depths=(0.5,), trials=6)
+    rows, losses = scored["rows"], scored["losses"]
+    prefix = tokenizer.encode(" What is the pass key? The pass key is").ids
+    assert rows.shape == (12, 201)
+    gains = []
+    for real, control, loss_r, loss_c in zip(rows[::2], rows[1::2], losses[::2], losses[1::2],
+                                              strict=True):
+        differ = np.flatnonzero(real != control)
+        assert len(differ) and differ.max() < 200 - 10  # only inside the needle, not the query
+        assert (real[:differ.min()] == control[:differ.min()]).all()  # same filler before it
+        n_key = len(real) - len(prefix) - int(np.flatnonzero(  # the tokens after the query
+            [list(real[i:i + len(prefix)]) == prefix for i in range(len(real))])[-1])
+        gains.append(loss_c[-n_key:].sum() - loss_r[-n_key:].sum())
+    assert result["gains"] == pytest.approx(gains)
+    assert result["retrieval_gain"] == pytest.approx(np.mean(gains))
+    assert result["gain_se"] == pytest.approx(np.std(gains, ddof=1) / np.sqrt(6))
+    assert longctx.pooled_gain([result, result])[0] == pytest.approx(np.mean(gains))
 
 
 def test_documents_split_a_packed_stream_at_eos():
@@ -62,7 +99,11 @@ def test_eval_longctx_cli_writes_every_probe(trained_run, capsys):
         assert [r["depth"] for r in rows] == [0.1, 0.3, 0.5, 0.7, 0.9]
         for r in rows:
             assert r["key_logprob"] < 0 and 0 <= r["exact"] <= 1
-            assert r["retrieval_gain"] == pytest.approx(r["key_logprob"] - r["control_logprob"])
+            # mean of differences vs difference of means of float32 log-probs ~ -30:
+            # equal up to their rounding (~30 * 1.2e-7 per sum)
+            assert r["retrieval_gain"] == pytest.approx(
+                r["key_logprob"] - r["control_logprob"], abs=1e-4)
+            assert len(r["gains"]) == 2 and r["gain_se"] >= 0
     assert set(result["short_context_loss"]) == {"code", "prose", "mean"}
     counts = result["documents_by_length"]
     assert all(counts[s][">=128"] >= counts[s][">=256"] for s in counts)

@@ -132,28 +132,67 @@ def test_layers_are_stacked_and_unstack_to_the_per_layer_blocks():
     np.testing.assert_array_equal(blocks[2].ffn.router, model.moe_layers.ffn.router[1])
 
 
-def test_chunked_causal_attention_equals_one_masked_softmax():
+def square_attention(attn: Attention, x, cos, sin, xp=jnp):
+    """Causal attention as one masked softmax over the whole square: q, k, v projected in
+    float32, the rest in jnp float32 or (xp=numpy) float64."""
+    b, s, _ = x.shape
+    hd, groups = attn.head_dim, attn.n_heads // attn.n_kv_heads
+    dtype = jnp.float32 if xp is jnp else np.float64
+    q = apply_rope((x @ attn.wq).reshape(b, s, attn.n_heads, hd), cos, sin)
+    k = apply_rope((x @ attn.wk).reshape(b, s, attn.n_kv_heads, hd), cos, sin)
+    v = (x @ attn.wv).reshape(b, s, attn.n_kv_heads, hd)
+    q, k, v = (xp.asarray(a, dtype) for a in (q, k, v))
+    k, v = xp.repeat(k, groups, axis=2), xp.repeat(v, groups, axis=2)  # head h uses kv h // G
+    logits = xp.einsum("bqhd,bthd->bhqt", q, k) / np.sqrt(hd)
+    logits = xp.where(np.tril(np.ones((s, s), bool)), logits, -np.inf)
+    probs = xp.exp(logits - logits.max(-1, keepdims=True))
+    probs = probs / probs.sum(-1, keepdims=True)
+    return xp.einsum("bhqt,bthd->bqhd", probs, v).reshape(b, s, -1) @ xp.asarray(attn.wo, dtype)
+
+
+@pytest.mark.parametrize("s, chunks", [
+    (200, [(0, 64), (64, 128), (128, 192), (192, 200)]),  # short: chunks of 64, one ragged
+    # long: 256-query chunks, each scanning two 128-query sub-chunks recomputed in the
+    # backward pass; the last chunk's one sub-chunk padded from 76 queries to 128
+    (1100, [(0, 256), (256, 512), (512, 768), (768, 1024), (1024, 1100)]),
+])
+def test_chunked_causal_attention_equals_one_masked_softmax(s, chunks):
     """Attention runs query chunk by chunk (the blocks above the diagonal skipped); it must
-    equal softmax over the whole masked square, computed here in float64 numpy. s = 200
-    gives four chunks, the last one ragged."""
+    equal softmax over the whole masked square, computed here in float64 numpy, and its
+    gradient must equal the square's (the long path recomputes probabilities in backward)."""
     cfg = dataclasses.replace(TINY, qk_norm=False)
-    s, hd, groups = 200, cfg.resolved_head_dim, cfg.n_heads // cfg.n_kv_heads
-    assert causal_chunks(s) == [(0, 64), (64, 128), (128, 192), (192, 200)]
+    assert causal_chunks(s) == chunks
     attn = Attention.init(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, s, cfg.d_model))
-    cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(s), (2, s)), hd, cfg.rope_theta)
+    cos, sin = rope_angles(jnp.broadcast_to(jnp.arange(s), (2, s)), cfg.resolved_head_dim,
+                           cfg.rope_theta)
     out, _ = attn(x, cos, sin)
-
-    q = np.asarray(apply_rope((x @ attn.wq).reshape(2, s, cfg.n_heads, hd), cos, sin))
-    k = np.asarray(apply_rope((x @ attn.wk).reshape(2, s, cfg.n_kv_heads, hd), cos, sin))
-    v = np.asarray((x @ attn.wv).reshape(2, s, cfg.n_kv_heads, hd))
-    q, k, v = (a.astype(np.float64) for a in (q, k, v))
-    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)  # head h uses kv h // G
-    logits = np.einsum("bqhd,bthd->bhqt", q, k) / np.sqrt(hd)
-    logits = np.where(np.tril(np.ones((s, s), bool)), logits, -np.inf)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    expected = np.einsum("bhqt,bthd->bqhd", probs, v).reshape(2, s, -1) @ np.asarray(
-        attn.wo, np.float64)
-    # float32 sums of <= 200 terms of O(1) values: error ~ 200 * 6e-8 relative at worst
+    expected = square_attention(attn, x, cos, sin, np)
+    # float32 sums of <= 1100 terms of O(1) values: error ~ 1100 * 6e-8 relative at worst
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+    loss = lambda f: lambda a, x: jnp.sum(f(a, x) ** 2)  # a cotangent that varies per row
+    grads = jax.grad(loss(lambda a, x: a(x, cos, sin)[0]), argnums=(0, 1))(attn, x)
+    ref = jax.grad(loss(lambda a, x: square_attention(a, x, cos, sin)), argnums=(0, 1))(attn, x)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        # both float32, summed in another order: relative to the gradient's scale
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * float(jnp.abs(r).max()))
+
+
+def test_long_attention_backward_memory_is_linear_in_the_length():
+    """Past SHORT_LIMIT the backward pass keeps q, k, v and recomputes each sub-chunk's
+    probabilities, so XLA's scratch memory for attention fwd+bwd grows ~linearly: doubling
+    2048 -> 4096 tokens doubles it (keeping the S^2/2 triangle of probabilities would
+    quadruple it; measured 3.4x before the sub-chunks). Read from the compiled program's
+    buffer assignment, so it is exact and independent of the machine's load."""
+    cfg = dataclasses.replace(TINY, d_model=128, n_heads=4, n_kv_heads=2)
+    attn = Attention.init(cfg, jax.random.key(0))
+
+    def scratch(s):
+        x = jnp.zeros((1, s, cfg.d_model))
+        cos, sin = rope_angles(jnp.arange(s)[None], cfg.resolved_head_dim, cfg.rope_theta)
+        f = jax.grad(lambda a, x: jnp.sum(a(x, cos, sin)[0] ** 2), argnums=(0, 1))
+        return jax.jit(f).lower(attn, x).compile().memory_analysis().temp_size_in_bytes
+
+    small, large = scratch(2048), scratch(4096)
+    assert large / small < 2.5, (small, large)  # linear: 2; quadratic: 4

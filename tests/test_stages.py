@@ -74,6 +74,16 @@ def test_staged_loader_reads_exactly_the_planned_tokens(small_corpus):
     ([{"seq_len": 16, "batch_size": 3}], "stages[0].batch_size"),  # grad_accum 1, but ...
     ([{"start": 10, "restart": {"warmup": 25}}], "stages[0].restart.warmup"),
     ([{"start": 10, "model": {"d_model": 64}}], "stages[0].model"),
+    # a stage's rope is checked against the stage's own seq_len (64 here, the run's 32)
+    ([{"start": 10, "seq_len": 64, "model": {"rope": {
+        "type": "yarn", "factor": 4, "original_max_position_embeddings": 128}}}],
+     "stages[0].model.rope.original_max_position_embeddings"),
+    ([{"start": 10, "model": {"rope": {"type": "yarn", "factor": 4}}}],
+     "stages[0].model.rope.original_max_position_embeddings"),  # yarn needs it
+    ([{"start": 10, "model": {"rope": {"type": "rotary"}}}], "stages[0].model.rope.type"),
+    ([{"start": 10, "model": {"rope": {"type": "linear", "factor": 0}}}],
+     "stages[0].model.rope.factor"),
+    ([{"start": 10, "model": {"attn_logit_scale": 0}}], "stages[0].model.attn_logit_scale"),
     ([{"start": 10, "optimizer": "new"}], "stages[0].optimizer"),
 ])
 def test_bad_plans_are_one_line_errors_naming_the_field(small_corpus, stages, field):
@@ -82,6 +92,20 @@ def test_bad_plans_are_one_line_errors_naming_the_field(small_corpus, stages, fi
         staged(small_corpus, stages, optim=optim)
     message = str(err.value)
     assert message.startswith(field) and "\n" not in message, message
+
+
+def test_a_stage_changes_rope_from_the_runs_model():
+    """stages[i].model overrides the run's model.* (rope as a whole section); the stages
+    that do not name it keep the run's model, and the stage's summary names the change."""
+    yarn = {"type": "yarn", "factor": 4, "original_max_position_embeddings": 32}
+    cfg = staged("data", [{}, {"start": 10, "seq_len": 128,
+                               "model": {"rope": yarn, "attn_logit_scale": 1.3}}])
+    plan = build_plan(cfg)
+    assert plan.at(9).model == cfg.model
+    long = plan.at(10).model
+    assert (long.rope.type, long.rope.factor, long.attn_logit_scale) == ("yarn", 4, 1.3)
+    assert long.rope.beta_fast == 32 and long.d_model == cfg.model.d_model
+    assert plan.at(10).summary().endswith("rope yarn x4, attn logit scale 1.3")
 
 
 TWO_STAGES = [{"mixture": {"code": 1, "prose": 1}},
@@ -205,3 +229,62 @@ def test_plans_the_data_or_the_memory_cannot_hold_fail_before_compiling(
         train(cfg, tmp_path / "run")
     assert str(err.value).startswith(field) and "\n" not in str(err.value), err.value
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# Pre-train at 32 tokens, extend to 128 (4x, tokens per step kept: batch 4 -> 1) with yarn
+# and a logit scale for the last 4 of 16 steps: the long-context recipe in miniature.
+EXTENSION = [{"name": "pretrain"},
+             {"name": "extend", "start": 12, "seq_len": 128, "model": {
+                 "rope": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 32},
+                 "attn_logit_scale": 1.3}}]
+
+
+@pytest.mark.slow
+def test_a_rope_extension_stage_trains_resumes_bitwise_and_exports_its_rope(
+        tmp_path, write_config):
+    """The plan through the CLI: the extension stage's first update already uses its RoPE
+    (its logged loss is the loss of the boundary checkpoint under the stage's model, not
+    under the run's); kill -9 at the boundary and one step after resume bitwise; the
+    checkpoint loads, and exports, with the last stage's RoPE and seq_len."""
+    from moelab import cli
+    from moelab.export.hf import hf_rope_parameters
+    from moelab.model.transformer import with_model_config
+    from moelab.train.checkpoint import load_latest
+    from moelab.train.plan import stage_config
+    from moelab.train.step import make_loss
+
+    train = {"steps": 16, "checkpoint_every": 5, "keep_checkpoints": 1, "eval_every": 100,
+             "keep_stage_checkpoints": True}
+    config = write_config(stages=EXTENSION, train=train)
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    moelab_train(config, clean)
+    for fault in ("12", "13"):
+        killed = moelab_train(config, crashed, env={FAULT_ENV: fault}, check=False)
+        assert killed.returncode == -9, killed.stderr
+    moelab_train(config, crashed)
+    assert losses(crashed) == losses(clean)  # bitwise equal floats, steps 1..16
+
+    model, cfg, step = load_latest(clean, only_step=12)  # trained by the pre-training stage
+    assert step == 12 and cfg.model.rope.type == "default" and cfg.data.seq_len == 32
+    plan = build_plan(cfg)  # the stage-0 config at step 12 is the run's own
+    stage = plan.at(12)
+    batch = StagedLoader(cfg.data.path, plan.stages, seed=cfg.data.seed).batch(12)
+    assert batch.shape == (1, 129)
+    loss = lambda m: float(make_loss(stage_config(cfg, stage))(m, batch)[0])
+    as_stage, as_run = loss(with_model_config(model, stage.model)), loss(model)
+    logged = losses(clean)[13]
+    # the jitted step and this eager call sum in another order: float32 rounding only
+    assert abs(logged - as_stage) < 1e-5 * as_stage
+    # a 12-step model barely uses positions, yet the run's plain RoPE is further off than
+    # that rounding by a clear factor: the logged step did use the stage's RoPE
+    assert abs(logged - as_run) > 3 * abs(logged - as_stage), (logged, as_stage, as_run)
+
+    final, final_cfg, _ = load_latest(clean)
+    assert final_cfg.data.seq_len == 128 and final.cfg == final_cfg.model == stage.model
+    assert final.blocks[0].attn.logit_scale == 1.3
+    out = tmp_path / "hf"
+    assert cli.main(["export", "--run-dir", str(clean), "--out", str(out)]) == 0
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rope_parameters"] == hf_rope_parameters(stage.model)
+    assert exported["rope_parameters"]["rope_type"] == "yarn"
+    assert exported["max_position_embeddings"] == 128

@@ -494,49 +494,67 @@ def validate(config: Config) -> None:
                  f"weight must be a finite number >= 0, got {weight}")
     _require(not d.mixture or sum(d.mixture.values()) > 0, "data.mixture",
              "weights must not all be zero")
-    _validate_rope(config)
+    _validate_rope(m, d.seq_len)
     _require(math.isfinite(d.max_epochs) and d.max_epochs >= 0, "data.max_epochs",
              f"must be a finite number >= 0 (0 = no cap), got {d.max_epochs}")
     _validate_mesh(config)
     build_plan(config)  # stages: order, ends, mixtures, shapes, LR restarts
 
 
-def _validate_rope(config: Config) -> None:
-    """The rope parameters each type reads must make sense for the length trained at."""
-    r, d = config.model.rope, config.data
+def _validate_rope(model: ModelConfig, seq_len: int, where: str = "model",
+                   seq_field: str = "data.seq_len") -> None:
+    """The rope parameters each type reads must make sense for the length trained at
+    (`seq_len`, named `seq_field`); errors name `{where}.rope.<field>` (a stage's
+    `stages[i].model`, or the run's `model`)."""
+    r = model.rope
     for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
                  "attention_factor"):
-        _require(math.isfinite(getattr(r, name)), f"model.rope.{name}",
+        _require(math.isfinite(getattr(r, name)), f"{where}.rope.{name}",
                  f"must be a finite number, got {getattr(r, name)}")
-    _require(r.factor > 0, "model.rope.factor", f"must be > 0, got {r.factor}")
-    _require(r.type != "default" or r.factor == 1, "model.rope.factor",
-             f"{r.factor} is unused by model.rope.type=default; choose linear, ntk, llama3 "
+    _require(r.factor > 0, f"{where}.rope.factor", f"must be > 0, got {r.factor}")
+    _require(r.type != "default" or r.factor == 1, f"{where}.rope.factor",
+             f"{r.factor} is unused by {where}.rope.type=default; choose linear, ntk, llama3 "
              "or yarn to extend the context")
-    _require(r.attention_factor >= 0, "model.rope.attention_factor",
+    _require(r.attention_factor >= 0, f"{where}.rope.attention_factor",
              f"must be >= 0 (0 = YaRN's 0.1 ln(factor) + 1), got {r.attention_factor}")
-    _require(r.attention_factor == 0 or r.type == "yarn", "model.rope.attention_factor",
-             "only model.rope.type=yarn scales cos/sin; use model.attn_logit_scale")
+    _require(r.attention_factor == 0 or r.type == "yarn", f"{where}.rope.attention_factor",
+             f"only {where}.rope.type=yarn scales cos/sin; use {where}.attn_logit_scale")
     _require(0 <= r.original_max_position_embeddings < INT_LIMIT,
-             "model.rope.original_max_position_embeddings",
+             f"{where}.rope.original_max_position_embeddings",
              f"must be >= 0 and < 2**31, got {r.original_max_position_embeddings}")
     original = r.original_max_position_embeddings
     if r.type in ("llama3", "yarn"):
-        _require(original > 0, "model.rope.original_max_position_embeddings",
-                 f"model.rope.type={r.type} needs the pre-training context length (e.g. the "
+        _require(original > 0, f"{where}.rope.original_max_position_embeddings",
+                 f"{where}.rope.type={r.type} needs the pre-training context length (e.g. the "
                  "seq_len it was pre-trained at)")
-        _require(original <= d.seq_len, "model.rope.original_max_position_embeddings",
-                 f"{original} exceeds data.seq_len={d.seq_len}: an extension trains longer "
+        _require(original <= seq_len, f"{where}.rope.original_max_position_embeddings",
+                 f"{original} exceeds {seq_field}={seq_len}: an extension trains longer "
                  "than the original context, not shorter")
     if r.type == "llama3":
-        _require(0 < r.low_freq_factor < r.high_freq_factor, "model.rope.high_freq_factor",
+        _require(0 < r.low_freq_factor < r.high_freq_factor, f"{where}.rope.high_freq_factor",
                  f"llama3 needs 0 < low_freq_factor ({r.low_freq_factor}) < "
                  f"high_freq_factor ({r.high_freq_factor})")
     if r.type == "yarn":
-        _require(0 < r.beta_slow < r.beta_fast, "model.rope.beta_fast",
+        _require(0 < r.beta_slow < r.beta_fast, f"{where}.rope.beta_fast",
                  f"yarn needs 0 < beta_slow ({r.beta_slow}) < beta_fast ({r.beta_fast})")
     if r.type == "ntk":
-        _require(config.model.resolved_head_dim > 2, "model.head_dim",
+        _require(model.resolved_head_dim > 2, f"{where}.head_dim",
                  "ntk scaling needs a head dim > 2 (theta * factor^(d/(d-2)))")
+
+
+def stage_model(model: ModelConfig, overrides: dict[str, Any], seq_len: int,
+                where: str) -> ModelConfig:
+    """The run's `model` with a stage's `model:` overrides (`where` = "stages[i]"), checked
+    as model.* is but against the stage's own seq_len. `rope` is a whole section: the fields
+    it leaves out take RopeConfig's defaults, not the run's (a new type has new meanings)."""
+    raw = {**dataclasses.asdict(model), **overrides}
+    new = _build(ModelConfig, raw, f"{where}.model")
+    for name in ("rope_theta", "attn_logit_scale"):
+        value = getattr(new, name)
+        _require(math.isfinite(value) and value > 0, f"{where}.model.{name}",
+                 f"must be a finite number > 0, got {value}")
+    _validate_rope(new, seq_len, f"{where}.model", f"{where}.seq_len")
+    return new
 
 
 def _validate_mesh(config: Config) -> None:

@@ -159,6 +159,8 @@ def _bpb(args: argparse.Namespace) -> None:
 
 def add_longctx(evals: argparse._SubParsersAction) -> None:
     """The `longctx` subcommand, on whichever `moelab eval` parser holds the others."""
+    from moelab.eval.longctx import TRIALS
+
     p = evals.add_parser("longctx", help="loss by position, passkey retrieval and short-"
                          "context loss of a run's newest checkpoint (JSON; lab if attached)")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
@@ -167,8 +169,8 @@ def add_longctx(evals: argparse._SubParsersAction) -> None:
                    "data.seq_len / model.rope.factor)")
     p.add_argument("--max-multiple", type=int_in(1, 64), default=8,
                    help="longest passkey/position eval, in multiples of the original")
-    p.add_argument("--trials", type=int_in(1, 10_000), default=8,
-                   help="passkeys per length and depth")
+    p.add_argument("--trials", type=int_in(1, 10_000), default=TRIALS,
+                   help="passkey pairs (key vs another key, same text) per length and depth")
     p.add_argument("--out", type=Path, help="JSON path (default RUN_DIR/longctx.json)")
     p.set_defaults(func=_longctx)
 

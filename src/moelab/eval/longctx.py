@@ -10,9 +10,11 @@ score never depends on what else is in the batch:
    of held-out filler text, and "What is the pass key? The pass key is" at the end. Scored
    by the log-probability of the key's tokens (continuous, so it moves even for a model far
    too small to retrieve exactly), by that log-probability minus the one the same model
-   gives the key when a *different* key was inserted (the part that comes from reading the
-   context: ~0 for a model that ignores it), and by exact greedy retrieval (argmax at every
-   key token, which is what greedy decoding produces; chance is ~0 for a 5-digit key).
+   gives the key when a *different* key was inserted in the same text (paired, so the
+   filler's and the key's own difficulty cancel: the part that comes from reading the
+   context, ~0 for a model that ignores it, with its standard error), and by exact greedy
+   retrieval (argmax at every key token, which is what greedy decoding produces; chance is
+   ~0 for a 5-digit key).
 3. Short-context loss: mean CE over every non-overlapping window of the original length
    in each source's val split (the ladder's whole-split score), to compare before/after.
 """
@@ -32,7 +34,7 @@ from moelab.errors import UserError
 BUCKET = 128  # tokens per position bucket
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # where in the filler the key sentence goes
 MULTIPLES = (1, 2, 4, 8)  # passkey lengths, in multiples of the original context
-TRIALS = 8  # keys per (length, depth)
+TRIALS = 16  # key pairs per (length, depth): the paired gain's se ~ sd / 4
 ROWS = 4  # sequences per forward pass
 RESULTS_FILE = "longctx.json"
 LENGTH_EDGES = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -113,7 +115,13 @@ def passkey_row(fill: np.ndarray, needle: np.ndarray, query: np.ndarray,
 
 def passkey(model, tokenizer, filler: np.ndarray, length: int, depths=DEPTHS,
             trials: int = TRIALS, seed: int = 0) -> list[dict[str, Any]]:
-    """The passkey scores at one total length (in tokens), one entry per depth."""
+    """The passkey scores at one total length (in tokens), one entry per depth.
+
+    Each trial is a pair of rows that differ only in the inserted key: the same filler,
+    depth and query (which ends with the real key). The pair's difference in the real
+    key's log-prob is the part that comes from reading the context; filler and key
+    difficulty cancel in it, so `retrieval_gain` (the mean difference) carries its
+    standard error `gain_se` (sd of the differences / sqrt(trials))."""
     enc = lambda text: np.asarray(tokenizer.encode(text).ids, np.int64)
     rng = np.random.default_rng(seed + length)
     out = []
@@ -121,17 +129,19 @@ def passkey(model, tokenizer, filler: np.ndarray, length: int, depths=DEPTHS,
         rows, spans = [], []
         for _ in range(trials):
             key, other = rng.choice(90000, size=2, replace=False) + 10000
-            key_ids = enc(f" {key}")
+            key_ids, other_ids = enc(f" {key}"), enc(f" {other}")
             query = np.concatenate([enc(" What is the pass key? The pass key is"), key_ids])
-            for inserted in (key_ids, enc(f" {other}")):  # the real trial, then the control
-                needle = np.concatenate([enc(" The pass key is"), inserted,
-                                         enc(". Remember it.")])
-                n_fill = length + 1 - len(needle) - len(query)
-                if n_fill < 1:
-                    raise UserError(f"passkey length {length} is too short for the key "
-                                    f"sentence and query ({len(needle) + len(query)} tokens)")
-                start = int(rng.integers(0, len(filler) - n_fill))
-                rows.append(passkey_row(filler[start:start + n_fill], needle, query, depth))
+            needles = [np.concatenate([enc(" The pass key is"), inserted, enc(". Remember it.")])
+                       for inserted in (key_ids, other_ids)]
+            # both rows are length + 1 tokens of the same filler from the same start (a
+            # key one token shorter leaves room for one more filler token at the end)
+            n_fill = [length + 1 - len(needle) - len(query) for needle in needles]
+            if min(n_fill) < 1:
+                raise UserError(f"passkey length {length} is too short for the key "
+                                f"sentence and query ({len(needles[0]) + len(query)} tokens)")
+            start = int(rng.integers(0, len(filler) - max(n_fill)))
+            for needle, n in zip(needles, n_fill, strict=True):  # the trial, then its control
+                rows.append(passkey_row(filler[start:start + n], needle, query, depth))
             spans.append(len(key_ids))
         losses, hits = _score(model, np.stack(rows))
         lp, control, exact = [], [], []
@@ -139,11 +149,22 @@ def passkey(model, tokenizer, filler: np.ndarray, length: int, depths=DEPTHS,
             lp.append(-losses[2 * i, -n_key:].sum())
             control.append(-losses[2 * i + 1, -n_key:].sum())
             exact.append(bool(hits[2 * i, -n_key:].all()))
+        gains = np.asarray(lp) - np.asarray(control)
         out.append({"depth": depth, "key_logprob": float(np.mean(lp)),
                     "control_logprob": float(np.mean(control)),
-                    "retrieval_gain": float(np.mean(lp) - np.mean(control)),
+                    "retrieval_gain": float(gains.mean()),
+                    "gain_se": float(gains.std(ddof=1) / np.sqrt(trials)) if trials > 1
+                    else float("nan"),
+                    "gains": [float(g) for g in gains],
                     "exact": float(np.mean(exact)), "trials": trials})
     return out
+
+
+def pooled_gain(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """(mean, standard error) of the paired retrieval gain over every trial of every depth
+    of one length: the passkey score of a length, with its noise."""
+    gains = np.concatenate([r["gains"] for r in rows])
+    return float(gains.mean()), float(gains.std(ddof=1) / np.sqrt(len(gains)))
 
 
 def short_context_loss(model, data_dir: str | Path, length: int) -> dict[str, float]:
@@ -190,8 +211,11 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
         out["longctx/loss_last_bucket"] = buckets[-1]["loss"]
         out["longctx/loss_all_positions"] = float(np.mean([b["loss"] for b in buckets]))
     for name, rows in result["passkey"].items():
-        for metric in ("key_logprob", "retrieval_gain", "exact"):
+        for metric in ("key_logprob", "exact"):
             out[f"longctx/passkey_{name}_{metric}"] = float(np.mean([r[metric] for r in rows]))
+        gain, se = pooled_gain(rows)
+        out[f"longctx/passkey_{name}_retrieval_gain"] = gain
+        out[f"longctx/passkey_{name}_retrieval_gain_se"] = se
     return out
 
 

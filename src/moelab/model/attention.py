@@ -14,18 +14,29 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from moelab.config import ModelConfig
 from moelab.model.layers import RMSNorm, apply_rope, linear, normal
 
-# Causal attention without a cache runs in query chunks, each against only the keys at or
-# before its last position, so the fully masked blocks above the diagonal are never
-# computed (S=256 in chunks of 64: 3/8 of the square skipped). Chunks of 64 were fastest on CPU for
-# S 128..256 (32 lost to per-op overhead); at most MAX_QUERY_CHUNKS, since the chunks are
-# unrolled in the graph.
+# Causal attention without a cache runs in at most MAX_QUERY_CHUNKS query chunks, unrolled,
+# each against only the keys at or before its last position, so the fully masked blocks
+# above the diagonal are never computed (S=256 in chunks of 64: 3/8 of the square skipped).
+# Chunks of 64 were fastest on CPU for S 128..256 (32 lost to per-op overhead). Up to
+# SHORT_LIMIT tokens (the training lengths) that is all, and the backward pass keeps each
+# chunk's probabilities. Past it, that would be the S^2/2 triangle, so each chunk runs its
+# queries LONG_QUERY_CHUNK at a time in a `lax.scan` whose body is under `jax.checkpoint`:
+# the backward keeps q, k, v (linear in S) and recomputes one sub-chunk's probabilities
+# at a time. (Unrolled checkpointed chunks are not enough: XLA:CPU drops the barriers that
+# keep a recomputation apart, merges it with the forward and runs chunks side by side, so
+# the triangle stays live; a loop iteration cannot be merged or overlapped.) A chunk's
+# sub-chunks all see that chunk's keys: 1/16 of the square is computed masked, not skipped.
 QUERY_CHUNK = 64
 MAX_QUERY_CHUNKS = 8
+SHORT_LIMIT = QUERY_CHUNK * MAX_QUERY_CHUNKS
+LONG_QUERY_CHUNK = 128
 
 
 def causal_chunks(s: int) -> list[tuple[int, int]]:
-    """[start, end) of each query chunk of a length-s causal attention."""
-    size = max(QUERY_CHUNK, -(-s // MAX_QUERY_CHUNKS))
+    """[start, end) of each (unrolled) query chunk of a length-s causal attention: chunks of
+    QUERY_CHUNK up to SHORT_LIMIT, else at most MAX_QUERY_CHUNKS whole LONG_QUERY_CHUNKs."""
+    unit = QUERY_CHUNK if s <= SHORT_LIMIT else LONG_QUERY_CHUNK
+    size = unit * max(1, -(-s // (unit * MAX_QUERY_CHUNKS)))
     return [(a, min(a + size, s)) for a in range(0, s, size)]
 
 
@@ -77,9 +88,9 @@ class Attention(eqx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:  # query chunk by chunk, each against the keys it can see
-            chunks = [self._attend(q[:, a:e], k[:, :e], v[:, :e], _causal(a, e - a, e))
-                      for a, e in causal_chunks(s)]
-            out = jnp.concatenate(chunks, axis=1)
+            chunk = self._attend_short if s <= SHORT_LIMIT else self._attend_long
+            out = jnp.concatenate([chunk(q[:, a:e], k[:, :e], v[:, :e], a)
+                                   for a, e in causal_chunks(s)], axis=1)
         else:
             write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
                 old, new.astype(old.dtype), cache_index, 1)
@@ -88,6 +99,26 @@ class Attention(eqx.Module):
             mask = _causal(cache_index, s, k.shape[1])
             out = self._attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
         return linear(out.reshape(b, s, -1), self.wo), cache
+
+    def _attend_short(self, q: Array, k: Array, v: Array, first: int) -> Array:
+        """Queries at first.. against every key of k, the probabilities kept for backward."""
+        return self._attend(q, k, v, _causal(first, q.shape[1], k.shape[1]))
+
+    def _attend_long(self, q: Array, k: Array, v: Array, first: int) -> Array:
+        """The same, LONG_QUERY_CHUNK queries at a time (the tail padded), each recomputed
+        in the backward pass: memory linear in the keys for a fixed sub-chunk size."""
+        b, s = q.shape[:2]
+        c = LONG_QUERY_CHUNK
+        n = -(-s // c)
+        q = jnp.pad(q, ((0, 0), (0, n * c - s), (0, 0), (0, 0)))
+
+        @jax.checkpoint
+        def sub_chunk(_, start):
+            rows = jax.lax.dynamic_slice_in_dim(q, start, c, axis=1)
+            return None, self._attend(rows, k, v, _causal(first + start, c, k.shape[1]))
+
+        _, out = jax.lax.scan(sub_chunk, None, jnp.arange(n) * c)  # [n, B, c, KV, G, K]
+        return jnp.moveaxis(out, 0, 1).reshape(b, n * c, *out.shape[3:])[:, :s]
 
     def _attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
         """softmax(logit_scale q k^T / sqrt(d)) v, query heads grouped over shared kv heads.

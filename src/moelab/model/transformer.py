@@ -15,6 +15,8 @@ The model knows nothing about devices or meshes; `moelab.parallel` shards it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -141,6 +143,16 @@ class Transformer(eqx.Module):
             return KVCache(jnp.zeros((n, *shape), dtype), jnp.zeros((n, *shape), dtype))
 
         return cache(self.dense_layers), cache(self.moe_layers)
+
+
+def with_model_config(model: Transformer, cfg: ModelConfig) -> Transformer:
+    """The same arrays under another model config that shapes nothing: a stage's RoPE and
+    attention-logit multiplier (train/plan.py's STAGE_MODEL_FIELDS). Both are static fields
+    (the model's cfg, each attention's logit_scale), so a jitted step retraces for them."""
+    scale = lambda node: (dataclasses.replace(node, logit_scale=cfg.attn_logit_scale)
+                          if isinstance(node, Attention) else node)
+    model = jax.tree.map(scale, model, is_leaf=lambda node: isinstance(node, Attention))
+    return dataclasses.replace(model, cfg=cfg)
 
 
 Caches = tuple[KVCache | None, KVCache | None]  # (dense prefix, MoE layers), stacked

@@ -40,6 +40,7 @@ from moelab.config import Config, config_from_dict, config_to_dict
 from moelab.errors import DivergenceError, UserError
 from moelab.parallel.mesh import is_tensor  # arrays or their shapes: restore templates
 from moelab.schema import MapOf, Number, SchemaError, brief, check, read_json
+from moelab.train.plan import build_plan, stage_config
 from moelab.train.rundir import CHECKPOINT_DIR, QUARANTINE_DIR
 
 INTEGRITY_FILE = "integrity.json"
@@ -330,7 +331,10 @@ def verify_run(run_dir: str | Path) -> list[tuple[int, str | None]]:
 
 def load_latest(run_dir: str | Path, only_step: int | None = None):
     """(model, config, step) of a run's newest good checkpoint, on the default device
-    (only_step: that checkpoint, which must verify)."""
+    (only_step: that checkpoint, which must verify). The config and the model are those of
+    the stage that trained the checkpoint's last step (`plan.stage_config`): a run whose
+    last stage extended the context exports, generates and evaluates with that stage's
+    RoPE and seq_len."""
     from moelab.model import Transformer
     from moelab.train.optimizer import make_optimizer, trainable
 
@@ -345,6 +349,7 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
         except UserError as err:  # the stored config is part of the checkpoint: damage
             raise SchemaError(ckpt.directory / str(step) / "meta", f"config: {err}") from None
         cfg = config_from_dict({**config_to_dict(cfg), "mesh": {"data": 1, "expert": 1}})
+        cfg = stage_config(cfg, build_plan(cfg).at(max(step - 1, 0)))
         # Shapes only: building a real random model just to overwrite it costs a compile.
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)

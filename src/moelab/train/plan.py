@@ -14,6 +14,7 @@ config can build and check it before anything is compiled.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,9 +24,11 @@ from moelab.errors import ConfigError
 if TYPE_CHECKING:
     from moelab.config import Config
 
-# Model fields a stage may change (the long-context issue adds RoPE settings here); the
-# parameter shapes never change, so the checkpoint stays loadable across the stage.
-STAGE_MODEL_FIELDS: tuple[str, ...] = ()
+# Model fields a stage may change: the RoPE scaling and the attention-logit multiplier of a
+# long-context stage. None of them shapes a parameter, so the checkpoint stays loadable
+# across the stage; the rotary tables are computed from the config at trace time, so the
+# stage's step (a recompile at its start) uses them from its first update.
+STAGE_MODEL_FIELDS: tuple[str, ...] = ("rope_theta", "rope", "attn_logit_scale")
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,10 @@ class StageConfig:
     batch_size: int = 0  # 0 = data.batch_size (or the token-constant one above)
     optimizer: Literal["keep", "fresh"] = "keep"  # fresh: new AdamW moments at the start
     restart: RestartConfig | None = None  # null: the whole-run schedule (optim.*) continues
-    model: dict[str, Any] = field(default_factory=dict)  # overrides of STAGE_MODEL_FIELDS
+    # overrides of STAGE_MODEL_FIELDS, from the run's model.* (not the stage before's);
+    # rope is a whole section, e.g. {rope: {type: yarn, factor: 8,
+    # original_max_position_embeddings: 128}, attn_logit_scale: 1.46}
+    model: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ class Stage:
     batch_size: int
     optimizer: str
     restart: RestartConfig | None
+    model: Any  # the ModelConfig the stage trains: the run's model.* with its overrides
 
     @property
     def rows(self) -> int:
@@ -79,9 +86,13 @@ class Stage:
         lr = ("whole-run schedule" if self.restart is None else
               f"restart (warmup {self.restart.warmup}, peak x{self.restart.peak_fraction:g}, "
               f"{self.restart.decay} decay)")
+        rope = self.model.rope
+        rope = "" if rope.type == "default" else f", rope {rope.type} x{rope.factor:g}"
+        scale = self.model.attn_logit_scale
+        scale = "" if scale == 1 else f", attn logit scale {scale:g}"
         return (f"stage {self.index}{f' ({self.name})' if self.name else ''}: steps "
                 f"{self.start}..{self.end}, mixture {{{mix}}}, seq_len {self.seq_len} x batch "
-                f"{self.batch_size}, optimizer {self.optimizer}, lr {lr}")
+                f"{self.batch_size}, optimizer {self.optimizer}, lr {lr}{rope}{scale}")
 
 
 def _start_step(stage: StageConfig, steps: int, where: str) -> int:
@@ -147,7 +158,8 @@ def build_plan(cfg: Config) -> Plan:
     """Resolve and check `cfg.stages`; every error names the field (`stages[i].x`)."""
     d, steps = cfg.data, cfg.train.steps
     if not cfg.stages:
-        only = Stage(0, "", 0, steps, dict(d.mixture), d.seq_len, d.batch_size, "keep", None)
+        only = Stage(0, "", 0, steps, dict(d.mixture), d.seq_len, d.batch_size, "keep", None,
+                     cfg.model)
         return Plan((only,), steps, staged=False)
     raw = list(cfg.stages)
     starts = [_start_step(s, steps, f"stages[{i}]") for i, s in enumerate(raw)]
@@ -169,18 +181,29 @@ def build_plan(cfg: Config) -> Plan:
         _check_mixture(stage.mixture, f"{where}.mixture")
         unknown = sorted(set(stage.model) - set(STAGE_MODEL_FIELDS))
         if unknown:
-            allowed = list(STAGE_MODEL_FIELDS) or "none yet"
             raise ConfigError(f"{where}.model: {unknown} cannot change per stage (allowed: "
-                              f"{allowed})")
+                              f"{list(STAGE_MODEL_FIELDS)})")
         seq_len, batch = _shape(stage, cfg, where)
+        model = cfg.model
+        if stage.model:  # config.py imports this module, so its checker is imported here
+            from moelab.config import stage_model
+
+            model = stage_model(cfg.model, stage.model, seq_len, where)
         if stage.optimizer == "fresh" and start == 0:
             raise ConfigError(f"{where}.optimizer: the first stage's optimizer is always fresh; "
                               "'fresh' applies to a later stage")
         if stage.restart is not None:
             _check_restart(stage.restart, end - start, f"{where}.restart")
         stages.append(Stage(i, stage.name, start, end, dict(stage.mixture or d.mixture), seq_len,
-                            batch, stage.optimizer, stage.restart))
+                            batch, stage.optimizer, stage.restart, model))
     return Plan(tuple(stages), steps, staged=True, offset=offset)
+
+
+def stage_config(cfg: Config, stage: Stage) -> Config:
+    """`cfg` as a stage trains it: its seq_len, batch size and model (RoPE) settings. What
+    the memory check, MFU, the step and every reader of a checkpoint of the stage use."""
+    data = dataclasses.replace(cfg.data, seq_len=stage.seq_len, batch_size=stage.batch_size)
+    return dataclasses.replace(cfg, data=data, model=stage.model)
 
 
 def _check_mixture(mixture: dict[str, float], where: str) -> None:

@@ -33,6 +33,7 @@ from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.eval.bpb import domain_metrics, tokenizer_bytes
 from moelab.model import Transformer
+from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train.checkpoint import Checkpointer
@@ -40,7 +41,7 @@ from moelab.train.interrupt import StopRequest, stop_at_once
 from moelab.train.memory import check_fits
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
-from moelab.train.plan import Stage, build_plan, check_sources
+from moelab.train.plan import Stage, build_plan, check_sources, stage_config
 from moelab.train.rundir import (
     CHECKPOINT_DIR,
     LAB_RUN_FILE,
@@ -97,12 +98,6 @@ def build_model(cfg: Config, mesh):
 
         model = expert_parallel(model, mesh, cfg.mesh.exchange)
     return model
-
-
-def stage_config(cfg: Config, stage: Stage) -> Config:
-    """`cfg` with the data shape a stage trains on (for the memory check and MFU)."""
-    data = dataclasses.replace(cfg.data, seq_len=stage.seq_len, batch_size=stage.batch_size)
-    return dataclasses.replace(cfg, data=data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,9 +405,16 @@ class Trainer:
         return {"step": self.step, **record}
 
     def _enter_stage(self) -> None:
-        """At a stage's first step: say so (once, even across a resume) and, for
+        """The model under the stage's model settings (a changed RoPE retraces the step);
+        at a stage's first step: say so (once, even across a resume) and, for
         `optimizer: fresh`, start new AdamW moments (the LR keeps the run's step)."""
         stage = self.plan.at(self.step)
+        if self.model.cfg != stage.model:  # its RoPE: from its first step, or on resume
+            # the AdamW moments are model-shaped trees: they carry the config too
+            swap = lambda node: (with_model_config(node, stage.model)
+                                 if isinstance(node, Transformer) else node)
+            self.model, self.opt_state = jax.tree.map(
+                swap, (self.model, self.opt_state), is_leaf=lambda n: isinstance(n, Transformer))
         if not self.plan.staged or stage.start != self.step:
             return
         if self.plan.fresh_optimizer_at(self.step):
