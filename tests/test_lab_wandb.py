@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import yaml
@@ -73,3 +74,41 @@ def test_offline_wandb_run_holds_every_logged_step_and_metric(tmp_path, write_co
     for step, metrics in expected.items():
         logged = {k: v for k, v in history[step].items() if not k.startswith("_")}
         assert logged == metrics, step  # every metric, same float64 value
+
+
+class FakeWandb:
+    """Stands in for the wandb module: records each wandb.init's arguments."""
+
+    def __init__(self) -> None:
+        self.inits: list[dict] = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda **k: None)
+
+
+def test_a_branch_is_mirrored_as_a_wandb_fork_of_its_parent(tmp_path, write_config,
+                                                            monkeypatch):
+    from moelab.cli import main
+    from moelab.lab.mirror import wandb_id
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    lab = tmp_path / "lab.sqlite"
+    monkeypatch.setenv("MOELAB_LAB", str(lab))
+    monkeypatch.setenv("MOELAB_WANDB", "offline")
+    config = write_config(train={"steps": 6, "checkpoint_every": 3})
+    with Store(lab) as store:
+        exp = store.new_experiment("fork", "a branch forks its parent's curve",
+                                   yaml.safe_load(config.read_text()), None)
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    assert main(["train", "--config", str(config), "--run-dir", str(parent),
+                 "--experiment", exp]) == 0
+    assert main(["train", "--config", str(config), "--run-dir", str(child),
+                 "--from", f"{parent}@3", "--experiment", exp]) == 0
+    with Store(lab, mode="ro") as store:
+        parent_run, child_run = store.runs(exp)
+    first, second = fake.inits
+    assert first["id"] == wandb_id(lab, parent_run.id) and "fork_from" not in first
+    assert second["id"] == wandb_id(lab, child_run.id) != first["id"]
+    assert second["fork_from"] == f"{first['id']}?_step=3"

@@ -176,8 +176,10 @@ class Store:
 
     # ------------------------------------------------------------------------- runs
 
-    def start_run(self, exp_id: str, run_dir: str, config: dict[str, Any]) -> str:
-        """Attach a new run to an experiment (which becomes running) and return its id."""
+    def start_run(self, exp_id: str, run_dir: str, config: dict[str, Any],
+                  fork: tuple[str, int] | None = None) -> str:
+        """Attach a new run to an experiment (which becomes running) and return its id.
+        `fork`: (parent run id, step) when the run branches from another (W&B fork_from)."""
         with self._write() as db:
             experiment = self.get_experiment(exp_id)
             check_transition(experiment, "running")
@@ -189,7 +191,7 @@ class Store:
             )
             db.execute("UPDATE experiments SET status = 'running' WHERE id = ?", (exp_id,))
             # Inside the transaction: a mirror that cannot start leaves no run behind.
-            if (mirror := start_mirror(run_id, experiment, config)) is not None:
+            if (mirror := start_mirror(run_id, experiment, config, self.path, fork)) is not None:
                 self._mirrors[run_id] = mirror
         return run_id
 

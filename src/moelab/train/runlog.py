@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from moelab.config import config_from_dict, config_to_dict
-from moelab.errors import ConfigError
+from moelab.errors import ConfigError, UserError
 from moelab.schema import read_json
 from moelab.train.metrics import EVENT_SPEC, METRIC_SPEC, JsonlLog
 from moelab.train.rundir import EVENTS_FILE, LAB_RUN_FILE, METRICS_FILE, config_changes
@@ -21,16 +21,18 @@ from moelab.train.rundir import EVENTS_FILE, LAB_RUN_FILE, METRICS_FILE, config_
 
 class RunLog:
     def __init__(self, run_dir: Path, experiment: str | None, config: dict,
-                 snapshot_change: bool | None = None, lab: Path | None = None):
+                 snapshot_change: bool | None = None, lab: Path | None = None,
+                 fork: tuple[Path, int] | None = None):
         """`snapshot_change`: None attaches whatever the config; False refuses a config that
         differs from the experiment's snapshot; True accepts and records the difference.
-        `lab`: the lab file (default `default_lab_path()`)."""
+        `lab`: the lab file (default `default_lab_path()`). `fork`: (parent run dir, step)
+        of a branch, whose W&B mirror then forks from the parent's."""
         self.metrics = JsonlLog(run_dir / METRICS_FILE, METRIC_SPEC)
         self.events = JsonlLog(run_dir / EVENTS_FILE, EVENT_SPEC)
         self.store, self.run_id = None, None
         self._repair()  # before attaching: the store gets the repaired record
         if experiment:
-            self._attach(run_dir, experiment, config, snapshot_change, lab)
+            self._attach(run_dir, experiment, config, snapshot_change, lab, fork)
 
     def _repair(self) -> None:
         """Cut lines torn by a kill or a full disk, and say so: appending after a torn
@@ -47,7 +49,8 @@ class RunLog:
             self.event(last[-1]["step"] if last else 0, "torn_line", message)
 
     def _attach(self, run_dir: Path, experiment: str, config: dict,
-                snapshot_change: bool | None, lab: Path | None) -> None:
+                snapshot_change: bool | None, lab: Path | None,
+                fork: tuple[Path, int] | None = None) -> None:
         from moelab.lab.store import Store, default_lab_path
 
         self.store = Store(lab or default_lab_path())
@@ -57,13 +60,25 @@ class RunLog:
             return
         changes = ({} if snapshot_change is None else
                    snapshot_changes(self.store, experiment, config, snapshot_change))
-        self.run_id = self.store.start_run(experiment, str(run_dir), config)
+        self.run_id = self.store.start_run(experiment, str(run_dir), config,
+                                           self._parent_run(fork))
         marker.write_text(json.dumps({"run_id": self.run_id, "experiment": experiment}))
         self.store.import_history(self.run_id, self.metrics.read(), self.events.read())
         if changes:
             changed = {k: {"old": a, "new": b} for k, (a, b) in changes.items()}
             self.event(0, "config_change", f"run config differs from experiment {experiment}'s "
                        f"snapshot: {json.dumps(changed)}")
+
+    def _parent_run(self, fork: tuple[Path, int] | None) -> tuple[str, int] | None:
+        """(parent's lab run id, step) when the parent is a run of this same lab file."""
+        if fork is None or not (Path(fork[0]) / LAB_RUN_FILE).exists():
+            return None
+        parent = read_json(Path(fork[0]) / LAB_RUN_FILE, {"run_id": str})["run_id"]
+        try:
+            same = Path(self.store.get_run(parent).run_dir).resolve() == Path(fork[0]).resolve()
+        except UserError:  # attached to another lab file: nothing here to fork from
+            return None
+        return (parent, fork[1]) if same else None
 
     def step(self, step: int, record: dict) -> None:
         self.metrics.write({"step": step, **record})

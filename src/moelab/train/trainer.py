@@ -164,9 +164,23 @@ class Trainer:
         permanent = self.plan.starts() if t.keep_stage_checkpoints else []
         self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, permanent=permanent)
         self.log = RunLog(run_dir, experiment, config_to_dict(cfg),
-                          allow_config_change if match_experiment else None)
+                          allow_config_change if match_experiment else None,
+                          fork=self._fork_point())
         self.step = self._resume()
         self._save_config()
+
+    def _fork_point(self) -> tuple[Path, int] | None:
+        """(parent run dir, step) of a branch about to start, for the lab's W&B mirror;
+        None for a plain run or one that already started (its own checkpoints exist). A
+        bad --from is refused later, by `_branch`, with its own message."""
+        if self.parent is None or self.ckpt.steps():
+            return None
+        src = Path(self.parent.run_dir)
+        if self.parent.step is not None:
+            return src, self.parent.step
+        steps = Checkpointer(src, keep=1_000_000, writer=False).steps() \
+            if (src / CHECKPOINT_DIR).is_dir() else []
+        return (src, steps[-1]) if steps else None
 
     def _fresh_opt_state(self, step: int = 0):
         """New AdamW moments, placed like the params, reading the LR of `step`."""
