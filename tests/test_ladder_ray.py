@@ -74,7 +74,8 @@ def _run_cli(tmp_path: Path, spec_path: Path, address: str) -> subprocess.Popen:
 
 
 def _steps(run: Path) -> list[int]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
+    """Steps of the complete lines: the trainer may be writing the last one right now."""
+    *lines, _partial = (run / "metrics.jsonl").read_text().split("\n")
     return [json.loads(line)["step"] for line in lines]
 
 
@@ -96,9 +97,10 @@ def test_ladder_on_a_ray_cluster_survives_a_killed_node(cluster, sequential, tmp
         tries = attempts(victim_run)
         ckpts = victim_run / "checkpoints"
         if tries and ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()) and \
-                (victim_run / "metrics.jsonl").exists() and _steps(victim_run)[-1] >= 250:
+                (victim_run / "metrics.jsonl").exists() and max(_steps(victim_run),
+                                                                default=0) >= 250:
             killed = cluster.kill_node_of(tries[-1]["pid"])
-            lost_at = _steps(victim_run)[-1]
+            lost_at = max(_steps(victim_run))
             break
         time.sleep(0.05)
     assert killed, "".join(output)
@@ -185,4 +187,5 @@ def test_mix_search_on_a_ray_cluster_equals_the_search_in_one_process(cluster, t
     runs = sorted((there / "runs").iterdir())
     assert len(runs) == 24 + 4  # proxies and validation runs, each attempted once
     assert all(len(attempts(r)) == 1 for r in runs)
-    assert len({attempts(r)[0]["node"] for r in runs}) == 2  # both worker nodes took runs
+    # (which nodes took them is Ray's choice: 3-step proxies can all finish on the first
+    # node before the second is offered one; the killed-node test covers two nodes)
