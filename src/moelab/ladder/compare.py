@@ -438,7 +438,7 @@ def plot(result_: dict[str, Any], path: Path) -> None:
     """Left: each recipe's points and its jointly fitted L(C); right: the multipliers
     (theoretical, realized) against the variant's compute, with their bands."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig = Figure(figsize=(12, 4.5))
     left, right = fig.subplots(1, 2)
@@ -461,6 +461,11 @@ def plot(result_: dict[str, Any], path: Path) -> None:
                        label=f"{name} {kind}")
             right.fill_between(c, [p["low"] for p in curve], [p["high"] for p in curve],
                                color=f"C{i + 1}", alpha=0.12)
+        for kind, marker in (("theoretical", "D"), ("realized", "s")):
+            head = v[kind]["at"][0]  # the headline (shared alpha unless the alphas differ)
+            right.errorbar([head["compute"]], [head["value"]], fmt=marker, color=f"C{i + 1}",
+                           yerr=[[head["value"] - head["low"]], [head["high"] - head["value"]]],
+                           capsize=3, label=f"{name} {kind} at C: {head['value']:.3g}x")
     right.axhline(1.0, color="0.5", ls=":")
     right.set_yscale("log")
     for ax, ylabel, xlabel in (
@@ -470,6 +475,13 @@ def plot(result_: dict[str, Any], path: Path) -> None:
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())  # decade labels only: no overlaps
         ax.yaxis.set_minor_formatter(NullFormatter())
+        if ax is right:  # multipliers near 1 span less than a decade: label them plainly
+            low, high = ax.get_ylim()
+            times = FuncFormatter(lambda y, _: f"{y:.3g}x")
+            ax.yaxis.set_major_formatter(times)
+            if high / low < 10:
+                ax.yaxis.set_minor_formatter(times)
+                ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)

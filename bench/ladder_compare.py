@@ -1,0 +1,68 @@
+"""A recipe comparison as a committed result: `moelab ladder compare` plus its cost and machine.
+
+    python bench/ladder_compare.py NAME BASE.yaml VARIANT.yaml [MORE.yaml ...]
+
+trains the specs' missing rungs (finished ones are read, never retrained), compares them,
+and writes bench/results/NAME.json (the comparison, the specs, every run's wall and CPU
+seconds, the code commit and the CPU model), NAME.md and NAME.png. The realized
+(wall-clock) multiplier comes from the rungs' logged throughput, so train them on a quiet
+machine; the load before and after is recorded beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import cpu_model, load_per_core  # noqa: E402
+
+from moelab.ladder.compare import compare_ladders  # noqa: E402
+from moelab.ladder.results import timings  # noqa: E402
+from moelab.ladder.spec import load_spec  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name", help="result file stem under bench/results/")
+    parser.add_argument("specs", nargs="+", help="BASE.yaml VARIANT.yaml [MORE.yaml ...]")
+    parser.add_argument("--at", type=float, action="append", help="compute (FLOPs) to report at")
+    args = parser.parse_args(argv)
+    specs = [load_spec(p) for p in args.specs]
+    out = Path("runs/ladder") / f"compare-{args.name}"
+    load_before, started = load_per_core(), time.time()
+    result = compare_ladders(specs, out, args.at, train=True)
+    wall = time.time() - started
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    spent = {}
+    for spec in specs:
+        runs = {r.name: timings(spec.out).get(r.name) for r in spec.rungs}
+        spent[spec.name] = {"runs": runs,
+                            "wall_total_s": sum(t["wall_s"] for t in runs.values() if t),
+                            "cpu_total_s": sum(t["cpu_s"] for t in runs.values() if t)}
+    record = {
+        "command": "python bench/ladder_compare.py " + " ".join(sys.argv[1:]),
+        "specs": args.specs, "code_commit": commit, "cpu": cpu_model(),
+        "load_per_core": {"before": load_before, "after": load_per_core()},
+        "this_invocation_wall_s": wall, "timings": spent, "compare": result,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (RESULTS / f"{args.name}.md").write_text(
+        (out / "report.md").read_text().replace("(compare.png)", f"({args.name}.png)"))
+    shutil.copy(out / "compare.png", RESULTS / f"{args.name}.png")
+    print((out / "report.md").read_text())
+    print(f"wrote {RESULTS / args.name}.json, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
