@@ -36,6 +36,10 @@ from moelab.train.metrics import flops_per_token  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 
 
+def d_rel(out: dict) -> float:
+    return out["difference"]["relative"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", help="a comparison under bench/results/ (NAME.json)")
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             "keep_checkpoints": 2}})
         rungs.append(dataclasses.replace(rung, name=f"{rung.point or rung.name}-x{m:.2f}-s{seed}",
                                          config=config_from_dict(raw), point=""))
-    spec = dataclasses.replace(base, out=Path("runs/ladder") / f"validate-{args.name}")
+    spec = dataclasses.replace(base, out=Path("runs/ladder") / f"{args.name}_validation")
     print(f"[validate] {variant.name} at C={c_v:.3g}: loss {point['loss']:.4f}; theoretical "
           f"multiplier {m:.3f} [{m_lo:.3f}, {m_hi:.3f}] -> {base.name} d{widest} for "
           f"{rungs[0].config.train.steps} steps ({rungs[0].compute:.3g} FLOPs), seeds {seeds}",
@@ -97,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.time() - started,
     }
     (RESULTS / f"{args.name}_validation.json").write_text(json.dumps(out, indent=1) + "\n")
+    # and in the comparison's own file: what the multiplier predicted against what came out
+    record["validation"] = {
+        "predicted": point["loss"], "measured": mean, "relative_error": d_rel(out),
+        "within_2_sd": out["difference"]["within_2_sd"],
+        "what": f"{base.name} trained at {m:.3f}x the compute of {variant.name}'s point at "
+                f"C={c_v:.3g} is predicted to reach that point's loss",
+        "detail": f"bench/results/{args.name}_validation.json"}
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
     d = out["difference"]
     print(f"[validate] {base.name} at {m:.2f}x: loss {mean:.4f} vs {variant.name} "
           f"{point['loss']:.4f}: {d['nats']:+.4f} nats ({100 * d['relative']:+.2f}%), noise sd "
