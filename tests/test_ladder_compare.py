@@ -279,3 +279,25 @@ def test_a_rung_on_a_cell_mixture_weighs_each_source_by_the_tokens_it_draws(tmp_
     (data / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="re-run `moelab data curate`"):
         result(rung, run)
+
+
+def test_throughput_noise_widens_the_realized_interval(tmp_path, data):
+    """Two equal recipes at the same true FLOPs/s, one's per-point wall-clock off by up to
+    +-10% (a shared machine): the lines' slopes then differ, and a realized interval that
+    ignored the timing noise would exclude the true 1.0. Drawn with the seconds lines'
+    residual sd, it holds 1.0 and is wider than the noise-free one."""
+    base = write_spec(tmp_path, "a", data)
+    fabricate(base, base_law)
+    a = recipe_from_spec(load_spec(base))
+    noise = np.exp([0.10, -0.10, 0.06, -0.04])  # one value per compute level, not a trend
+    assert len(a.seconds) == len(noise)
+    b = dataclasses.replace(a, name="b", seconds=a.seconds * noise)
+    quiet = compare_recipes([a, dataclasses.replace(a, name="b")], samples=SAMPLES)
+    noisy = compare_recipes([a, b], samples=SAMPLES)
+    assert b.seconds_sd > 0.05 and a.seconds_sd == pytest.approx(0, abs=1e-9)
+    low, high = noisy["realized"]["interval"]
+    assert low <= 1.0 <= high
+    q_low, q_high = quiet["realized"]["interval"]
+    assert high - low > 2 * (q_high - q_low)
+    # the theoretical multiplier does not see wall-clock at all
+    assert noisy["theoretical"] == quiet["theoretical"]

@@ -17,13 +17,15 @@ C_needed / C. With one shared alpha it is ((L_base - L_inf) / (L_v - L_inf))^(1/
   C_needed over the seconds the variant needs to spend C. Each recipe's seconds at a
   FLOP budget come from a log-log line through its points' (C, tokens / measured tokens/s)
   (median of the logged steps): its measured throughput, extrapolated as it trends with
-  size. The throughput is taken as measured: its own noise (a machine shared with other
-  work) is not in the interval. (Refitting L against seconds instead was tried first and
-  dropped: with per-point throughput noise it gave a narrower, spurious interval.)
+  size. (Refitting L against seconds instead was tried first and dropped: with per-point
+  throughput noise it gave a narrower, spurious interval.)
 
 Intervals: the ladder's parametric bootstrap (moelab.ladder.fit / predict): every point's
 loss redrawn as fitted + N(0, seed sd / sqrt(replicates)), with each recipe's pooled seed
-sd, refitted, and the multiplier recomputed; no target noise is added (a multiplier is a
+sd, and every point's log seconds redrawn about its recipe's log-log line with that line's
+residual sd (the measured throughput's noise: without it, two recipes whose ladders took
+the same wall time showed a realized 1.08x [1.07, 1.09] from the lines' slopes alone),
+refitted, and the multiplier recomputed; no target noise is added (a multiplier is a
 property of the laws, not of one run). The same draws give the interval of each
 alpha_v - alpha_base. If it excludes 0 the alphas differ and the multiplier is reported as
 a curve over C (its value at each `--at` budget); otherwise the headline is the
@@ -33,6 +35,7 @@ is "distinguishable from seed noise" when the multiplier's interval excludes 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -89,6 +92,17 @@ class Recipe:
         when the throughput in FLOPs/s does not change with size)."""
         slope, icept = np.polyfit(np.log(self.compute), np.log(self.seconds), 1)
         return np.exp(icept + slope * np.log(np.asarray(compute, float)))
+
+    @property
+    def seconds_sd(self) -> float:
+        """Residual sd of log(seconds) about the log-log line: the throughput's own noise
+        (and any bend the line misses), which the bootstrap draws the seconds with."""
+        n = len(self.compute)
+        if n < 3:
+            return 0.0
+        log_c, log_s = np.log(self.compute), np.log(self.seconds)
+        residual = log_s - np.polyval(np.polyfit(log_c, log_s, 1), log_c)
+        return float(np.sqrt(np.sum(residual ** 2) / (n - 2)))
 
     @property
     def seconds_slope(self) -> float:
@@ -293,16 +307,25 @@ def _values(recipes: list[Recipe], fit: JointFit, at: np.ndarray) -> np.ndarray:
 
 
 def _band(recipes, fit, shared_alpha, l_inf, at, samples, confidence, seed):
-    """The ladder's parametric bootstrap of every value `_values` returns."""
+    """The ladder's parametric bootstrap of every value `_values` returns. Each draw
+    redraws every point's loss (its seed sd) and every point's wall-clock (log seconds
+    about its recipe's log-log line, with that line's residual sd: the measured
+    throughput's noise), refits the losses jointly and the seconds lines per recipe."""
     start = fit.theta()
-    split_at = np.cumsum([len(r.loss) for r in recipes])[:-1]
+    sizes = [len(r.loss) for r in recipes]
+    split_at = np.cumsum(sizes + sizes)[:-1]
 
-    def refit(y: np.ndarray) -> np.ndarray:
-        return _values(recipes, _fit(recipes, np.split(y, split_at), shared_alpha, l_inf,
-                                     start), at)
+    def refit(v: np.ndarray) -> np.ndarray:
+        parts = np.split(v, split_at)
+        drawn = [dataclasses.replace(r, seconds=np.exp(log_s))
+                 for r, log_s in zip(recipes, parts[len(recipes):], strict=True)]
+        return _values(drawn, _fit(recipes, parts[:len(recipes)], shared_alpha, l_inf,
+                                   start), at)
 
-    fitted = np.concatenate([fit.loss(i, r.compute) for i, r in enumerate(recipes)])
-    sd = np.concatenate([r.point_sd for r in recipes])
+    lines = [np.log(r.seconds_at(r.compute)) for r in recipes]
+    fitted = np.concatenate([fit.loss(i, r.compute) for i, r in enumerate(recipes)] + lines)
+    sd = np.concatenate([r.point_sd for r in recipes]
+                        + [np.full(len(r.loss), r.seconds_sd) for r in recipes])
     return _curve_band(_safe(refit), fitted, sd, 0.0, samples, confidence, seed)
 
 
@@ -370,14 +393,16 @@ def compare_recipes(recipes: list[Recipe], at: list[float] | None = None,
                                             np.zeros(len(r.loss)), strict=True)],
                              "seed_sd": r.seed_sd,
                              "seconds_vs_compute_slope": r.seconds_slope,
+                             "log_seconds_residual_sd": r.seconds_sd,
                              "flops_per_s": float(np.median(r.compute / r.seconds))}
                     for r in recipes},
         "variants": variants,
         "bootstrap": {"samples": samples, "confidence": confidence, "seed": seed,
                       "method": "parametric: each point's loss redrawn as fitted + N(0, seed "
-                                "sd / sqrt(replicates)) per recipe, both joint fits refitted "
-                                "from the fitted parameters, percentile interval; no target "
-                                "noise"},
+                                "sd / sqrt(replicates)) per recipe and its log seconds about "
+                                "its recipe's log-log line with that line's residual sd, both "
+                                "joint fits and the seconds lines refitted, percentile "
+                                "interval; no target noise"},
     }
     if len(recipes) == 2:  # the two-recipe headline at the top level
         only = variants[names[1]]
