@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogLocator, NullFormatter
 
 from moelab.ladder import prereg
 from moelab.ladder.fit import PowerLawFit
@@ -195,6 +196,10 @@ def plot_fit(record: dict[str, Any], actual: RunResult, path: Path) -> None:
 
 def _save(fig: Figure, ax, path: Path, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_xscale("log")
+    # labels at 1, 2 and 5 per decade: matplotlib's own minor labels collide on a span
+    # under two decades, and decade labels alone leave a short span nearly unlabelled
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
