@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "python bench/ladder_compare.py " + " ".join(sys.argv[1:]),
         "specs": args.specs, "code_commit": commit, "cpu": cpu_model(),
-        "load_per_core": {"before": load_before, "after": load_per_core()},
+        "load_per_core": {"before": load_before, "after": load_per_core(),
+                          "when": "around this invocation: when every rung already existed "
+                                  "it only refitted, and the rungs' throughput was measured "
+                                  "when they trained (their tokens/s, in compare.recipes)"},
         "this_invocation_wall_s": wall, "timings": spent,
         # two specs: the headline (value, interval) at the top, as the issue's bar reads it
         **{k: result[k] for k in ("theoretical", "realized") if k in result},
