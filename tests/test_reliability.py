@@ -363,8 +363,8 @@ def test_disk_full_during_a_metrics_write_then_resume(cfg, clean, small_disk, mo
 @pytest.mark.slow  # a supervisor and its worker: two fresh processes, ~30 s each
 @pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_supervisor_stopped_or_killed_leaves_no_orphan_worker(kill, write_config, tmp_path):
-    """SIGKILL: the kernel sends the worker SIGTERM (parent-death signal); SIGTERM: the
-    supervisor forwards it. Either way the worker saves a checkpoint and stops."""
+    """SIGKILL: the kernel sends the worker its parent-death signal (SIGUSR1); SIGTERM:
+    the supervisor forwards it. Either way the worker saves a checkpoint and stops."""
     config = write_config(train={"steps": 100_000, "checkpoint_every": 1000})
     run = tmp_path / "run"
     supervisor = subprocess.Popen(
@@ -388,6 +388,54 @@ def test_supervisor_stopped_or_killed_leaves_no_orphan_worker(kill, write_config
     assert events and events[-1][0] == "interrupted", (events, err)
     assert "restart" not in [k for k, _ in events]  # stopped, not crashed
     assert main(["checkpoint", "verify", str(run)]) == 0
+
+
+PARENT = """
+import os, subprocess, sys, threading, time
+from moelab.train.supervisor import _die_with_parent
+for _ in range(8):  # threads that exit after the main one when the process is killed
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+me = os.getpid()
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]],
+                         start_new_session=True, preexec_fn=lambda: _die_with_parent(me))
+print(child.pid, flush=True)
+time.sleep(3600)
+"""
+CHILD = """
+import sys, time
+from pathlib import Path
+from moelab.train.interrupt import StopRequest
+with StopRequest() as stop:
+    Path(sys.argv[1]).write_text("ready")
+    while not stop.requested:
+        time.sleep(0.01)
+    time.sleep(0.5)  # "finishing the step": any repeat of the signal arrives in here
+    Path(sys.argv[2]).write_text(str(stop.signal))
+"""
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_supervisor_death_delivered_many_times_still_stops_its_worker_gracefully(
+        attempt, tmp_path):
+    """The kernel sends the parent-death signal each time the worker is re-parented, and a
+    killed parent with 9 threads re-parents it thread by thread: the signal can arrive
+    several times at once. (As SIGTERM, the second copy read as "exit at once" and the
+    worker left without its checkpoint: a flaky CI failure until this was found.)"""
+    ready, done = tmp_path / "ready", tmp_path / "done"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(ready), str(done)],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    deadline = time.time() + 60
+    while not ready.exists():
+        assert time.time() < deadline and parent.poll() is None
+        time.sleep(0.01)
+    parent.kill()
+    parent.wait()
+    while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
+        assert time.time() < deadline, "the child outlived its parent"
+        time.sleep(0.01)
+    assert done.exists(), "the child exited without finishing its step"
+    assert int(done.read_text()) == signal.SIGUSR1
 
 
 def _state(pid: int) -> str:

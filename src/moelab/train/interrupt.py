@@ -1,4 +1,5 @@
-"""Turn SIGTERM/SIGINT into "finish this step, save, exit": preemption loses no work.
+"""Turn SIGTERM/SIGINT (and the supervisor's death) into "finish this step, save, exit":
+preemption loses no work.
 
 Preemptible machines get SIGTERM shortly before they are taken away, and Ctrl-C is
 SIGINT. Either one only sets a flag; the step loop checks it after each step, saves a
@@ -19,6 +20,12 @@ from contextlib import contextmanager
 from moelab.errors import EXIT_INTERRUPTED
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# What a supervised worker gets when its supervisor dies (supervisor.py sets it with
+# PR_SET_PDEATHSIG). Not SIGTERM: the kernel sends the parent-death signal each time the
+# worker is re-parented, and a dying multi-threaded parent re-parents it to each of its
+# threads in turn as they exit, so it can arrive several times within microseconds. A
+# second SIGTERM means "exit at once"; repeats of this one only ask for the stop again.
+PARENT_DIED = signal.SIGUSR1
 
 
 class StopRequest:
@@ -34,16 +41,21 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         if self.signal is not None:
+            if signum == PARENT_DIED:
+                return  # the same parent death, delivered again
             os._exit(EXIT_INTERRUPTED)
         self.signal = signum
-        print(f"{signal.Signals(signum).name} received: finishing this step and saving a "
-              "checkpoint (send it again to exit at once)", file=sys.stderr, flush=True)
+        what = ("the supervisor died" if signum == PARENT_DIED else
+                f"{signal.Signals(signum).name} received")
+        print(f"{what}: finishing this step and saving a checkpoint (send SIGTERM or SIGINT "
+              "again to exit at once)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> StopRequest:
         # Signal handlers can only be installed from the main thread (a trainer run
         # from a worker thread, as in tests, just is not interruptible this way).
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            self._previous = {s: signal.signal(s, self._handle)
+                              for s in (*SIGNALS, PARENT_DIED)}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -54,7 +66,7 @@ class StopRequest:
 def _raise_interrupt(signum: int, frame) -> None:
     # Once: a second signal (Ctrl-C pressed twice, or the supervisor forwarding the one
     # its worker already got from the terminal) must not interrupt the unwinding.
-    for s in SIGNALS:
+    for s in (*SIGNALS, PARENT_DIED):
         signal.signal(s, signal.SIG_IGN)
     raise KeyboardInterrupt
 
@@ -68,7 +80,7 @@ def stop_at_once() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _raise_interrupt) for s in SIGNALS}
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (*SIGNALS, PARENT_DIED)}
     try:
         yield
     finally:

@@ -7,8 +7,9 @@ hardware fault costs the steps since that checkpoint plus a restart. Every fault
 logged as a `restart` event; after `max_restarts` the supervisor gives up, loudly.
 
 The worker never outlives the supervisor: it runs in its own session (so a terminal's
-Ctrl-C reaches it once, forwarded, not twice) and asks the kernel for SIGTERM when its
-parent dies (Linux `PR_SET_PDEATHSIG`), which makes it save a checkpoint and exit.
+Ctrl-C reaches it once, forwarded, not twice) and asks the kernel for a signal when its
+parent dies (Linux `PR_SET_PDEATHSIG`; `interrupt.PARENT_DIED`, which may arrive more than
+once), which makes it save a checkpoint and exit.
 SIGTERM/SIGINT sent to the supervisor are forwarded to the worker, and the run counts
 as stopped, not crashed.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moelab.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USER_ERROR
-from moelab.train.interrupt import SIGNALS
+from moelab.train.interrupt import PARENT_DIED, SIGNALS
 from moelab.train.rundir import WORKER_PID_FILE, RunDirLock
 
 NO_RETRY = {EXIT_OK: "finished", EXIT_USER_ERROR: "bad input", EXIT_DIVERGED: "divergence",
@@ -38,9 +39,9 @@ MAX_WAIT_S = 3600.0  # the backoff doubles up to this many seconds between resta
 
 
 def _die_with_parent(parent: int) -> None:
-    """In the forked worker, before exec: SIGTERM me when the supervisor dies."""
+    """In the forked worker, before exec: signal me when the supervisor dies."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(PARENT_DIED), 0, 0, 0)
     if os.getppid() != parent:  # the supervisor died before prctl took effect
         os._exit(EXIT_INTERRUPTED)
 
