@@ -36,10 +36,6 @@ from moelab.train.metrics import flops_per_token  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 
 
-def d_rel(out: dict) -> float:
-    return out["difference"]["relative"]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", help="a comparison under bench/results/ (NAME.json)")
@@ -103,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / f"{args.name}_validation.json").write_text(json.dumps(out, indent=1) + "\n")
     # and in the comparison's own file: what the multiplier predicted against what came out
     record["validation"] = {
-        "predicted": point["loss"], "measured": mean, "relative_error": d_rel(out),
+        "predicted": point["loss"], "measured": mean,
+        "relative_error": out["difference"]["relative"],
         "within_2_sd": out["difference"]["within_2_sd"],
         "what": f"{base.name} trained at {m:.3f}x the compute of {variant.name}'s point at "
                 f"C={c_v:.3g} is predicted to reach that point's loss",

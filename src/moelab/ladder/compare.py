@@ -90,8 +90,13 @@ class Recipe:
     def seconds_at(self, compute: np.ndarray | float) -> np.ndarray:
         """Wall-clock to spend `compute` FLOPs: a log-log line through the points (exact
         when the throughput in FLOPs/s does not change with size)."""
-        slope, icept = np.polyfit(np.log(self.compute), np.log(self.seconds), 1)
+        slope, icept = self._seconds_line()
         return np.exp(icept + slope * np.log(np.asarray(compute, float)))
+
+    def _seconds_line(self) -> tuple[float, float]:
+        """(slope, intercept) of log(seconds) against log(C) over the points."""
+        slope, icept = np.polyfit(np.log(self.compute), np.log(self.seconds), 1)
+        return float(slope), float(icept)
 
     @property
     def seconds_sd(self) -> float:
@@ -100,8 +105,7 @@ class Recipe:
         n = len(self.compute)
         if n < 3:
             return 0.0
-        log_c, log_s = np.log(self.compute), np.log(self.seconds)
-        residual = log_s - np.polyval(np.polyfit(log_c, log_s, 1), log_c)
+        residual = np.log(self.seconds) - np.log(self.seconds_at(self.compute))
         return float(np.sqrt(np.sum(residual ** 2) / (n - 2)))
 
     @property
@@ -109,7 +113,7 @@ class Recipe:
         """d log(seconds) / d log(C) over the points: 1 when wall-clock grows with model
         FLOPs; near 0 when throughput is bound by overhead or by other work on the machine
         (tiny models), and then a realized multiplier says nothing about compute."""
-        return float(np.polyfit(np.log(self.compute), np.log(self.seconds), 1)[0])
+        return self._seconds_line()[0]
 
 
 @dataclass(frozen=True)

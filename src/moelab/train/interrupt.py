@@ -26,6 +26,13 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # threads in turn as they exit, so it can arrive several times within microseconds. A
 # second SIGTERM means "exit at once"; repeats of this one only ask for the stop again.
 PARENT_DIED = signal.SIGUSR1
+STOPPING = (*SIGNALS, PARENT_DIED)  # every signal that asks a run to stop
+
+
+def describe(signum: int) -> str:
+    """What a stop signal means, for the message and the run's `interrupted` event."""
+    return ("the supervisor died" if signum == PARENT_DIED else
+            f"{signal.Signals(signum).name} received")
 
 
 class StopRequest:
@@ -45,17 +52,14 @@ class StopRequest:
                 return  # the same parent death, delivered again
             os._exit(EXIT_INTERRUPTED)
         self.signal = signum
-        what = ("the supervisor died" if signum == PARENT_DIED else
-                f"{signal.Signals(signum).name} received")
-        print(f"{what}: finishing this step and saving a checkpoint (send SIGTERM or SIGINT "
-              "again to exit at once)", file=sys.stderr, flush=True)
+        print(f"{describe(signum)}: finishing this step and saving a checkpoint (send "
+              "SIGTERM or SIGINT again to exit at once)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> StopRequest:
         # Signal handlers can only be installed from the main thread (a trainer run
         # from a worker thread, as in tests, just is not interruptible this way).
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle)
-                              for s in (*SIGNALS, PARENT_DIED)}
+            self._previous = {s: signal.signal(s, self._handle) for s in STOPPING}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -66,7 +70,7 @@ class StopRequest:
 def _raise_interrupt(signum: int, frame) -> None:
     # Once: a second signal (Ctrl-C pressed twice, or the supervisor forwarding the one
     # its worker already got from the terminal) must not interrupt the unwinding.
-    for s in (*SIGNALS, PARENT_DIED):
+    for s in STOPPING:
         signal.signal(s, signal.SIG_IGN)
     raise KeyboardInterrupt
 
@@ -80,7 +84,7 @@ def stop_at_once() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _raise_interrupt) for s in (*SIGNALS, PARENT_DIED)}
+    previous = {s: signal.signal(s, _raise_interrupt) for s in STOPPING}
     try:
         yield
     finally:

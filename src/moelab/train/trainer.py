@@ -37,7 +37,7 @@ from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train.checkpoint import Checkpointer
-from moelab.train.interrupt import PARENT_DIED, StopRequest, stop_at_once
+from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
@@ -350,9 +350,7 @@ class Trainer:
             return
         if self.ckpt.latest_step() != self.step:
             self.save()
-        how = ("the supervisor died" if self.stop.signal == PARENT_DIED else
-               f"stopped by {signal.Signals(self.stop.signal).name}")
-        self.log.event(self.step, "interrupted", f"{how}; "
+        self.log.event(self.step, "interrupted", f"{describe(self.stop.signal)}; "
                        f"checkpoint {self.step} saved")
         raise Interrupted(self.step)
 
