@@ -1,5 +1,5 @@
-"""Curation at (reduced) scale: prepare `--sources installed` capped in documents, curate it
-with both embedders, optionally run a mixture search; figures -> bench/results/curation.json.
+"""Curation at scale: prepare `--sources installed` (whole, or capped in documents per
+source), curate it with both embedders; figures -> bench/results/curation.json.
 
 Peak RSS is sampled (bench/rss.py: every 0.2 s, the RSS of this process plus its children
 summed, and the largest single process), not read from /usr/bin/time: the executor resets
@@ -8,7 +8,8 @@ lifetime peak.
 Seconds are wall time on whatever else the machine is running: documents/s are a rate on
 that machine that day, not a speed claim.
 
-    python bench/curation.py --max-docs 2000 --out runs/curation
+    python bench/curation.py --out runs/curation                  # the whole corpus
+    python bench/curation.py --max-docs 2000 --out runs/curation  # 2,000 files per source
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ def figures(entry: dict, seconds: float) -> dict:
     keep = ("documents", "sample_docs", "dim", "fine_clusters", "fine_clusters_nonempty",
             "fine_size_ratio", "domains", "domain_size_ratio", "purity", "nmi",
             "silhouette_domains")
+    stages = entry["seconds"]
     return {**{k: report[k] for k in keep}, "docs_per_s": round(report["documents"] / seconds, 1),
+            "stage_seconds": stages,
+            # the sharded stages' rates; the others are driver work on the sample
+            "stage_docs_per_s": {s: round(report["documents"] / stages[s], 1)
+                                 for s in ("embed", "assign", "cells") if stages.get(s)},
             "cells": {c: {k: v[k] for k in ("train_tokens", "documents", "sources")}
                       for c, v in entry["cells"].items()},
             "per_domain": [{k: d[k] for k in ("domain", "documents", "majority_source",
@@ -53,7 +59,8 @@ def figures(entry: dict, seconds: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/curation")
-    parser.add_argument("--max-docs", type=int, default=2000, help="per source")
+    parser.add_argument("--max-docs", type=int, default=0,
+                        help="files per source (0: every installed file)")
     parser.add_argument("--clusters", type=int, default=64)
     parser.add_argument("--domains", type=int, default=8)
     parser.add_argument("--buckets", type=int, default=5)
@@ -68,15 +75,23 @@ def main() -> None:
     out = Path(args.out)
     data = out / "installed"
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results["corpus"] = {"sources": "installed", "max_docs_per_source": args.max_docs,
-                         "note": "capped in documents: the whole ~0.7 GB corpus did not fit "
-                                 "this session on 2 shared cores"}
+    max_docs = args.max_docs or None
+    results["corpus"] = {"sources": "installed", "max_docs_per_source": max_docs}
     if "prepare" not in args.skip:
         shutil.rmtree(data, ignore_errors=True)
         meta = measured("prepare", results, prepare, data, INSTALLED_SOURCES,
-                        max_docs_per_source=args.max_docs, max_chars=1_000_000,
+                        max_docs_per_source=max_docs, max_chars=1_000_000,
                         workers=args.workers)
         results["corpus"]["train_tokens"] = meta["train_tokens"]
+        results["corpus"]["documents"] = {source: {k: counts.get(k, 0) for k in ("docs", "kept")}
+                                          for source, counts in meta["documents"].items()}
+        docs = sum(counts["docs"] for counts in meta["documents"].values())
+        results["phases"]["prepare"]["stage_seconds"] = meta["seconds"]
+        results["phases"]["prepare"]["stage_docs_per_s"] = {
+            stage: round(docs / s, 1) for stage, s in meta["seconds"].items() if s > 0}
+        results["phases"]["prepare"]["task_peak_rss_mb"] = meta["peak_rss_mb"]["tasks"]
+    for stale in ("mix_search", "mix_search_cells"):  # measured on another corpus
+        results.pop(stale, None)
     settings = dict(clusters=args.clusters, domains=args.domains, buckets=args.buckets,
                     workers=args.workers)
     lexical = out / "lexical"

@@ -189,6 +189,7 @@ def run_curate(args: argparse.Namespace) -> int:
     print(f"{report['documents']} documents -> {report['fine_clusters']} fine clusters -> "
           f"{report['domains']} domains (size ratio {report['domain_size_ratio']}, purity "
           f"{report['purity']}, NMI {report['nmi']}) -> {len(entry['cells'])} cells")
+    print("  seconds: " + ", ".join(f"{stage} {s:.1f}" for stage, s in entry["seconds"].items()))
     for domain in report["per_domain"]:
         print(f"  {domain['domain']}  {domain['documents']:>6} docs  "
               f"{domain['majority_source']} {domain['majority_share']}  "

@@ -93,7 +93,8 @@ def curate(data_dir: str | Path, embedder: str = "lexical", checkpoint: str | Pa
            sample_docs: int = 10_000, min_cell_fraction: float = 0.01, seed: int = 0,
            workers: int | None = None, use_ray: bool = False) -> dict:
     """Curate a prepared dataset in place; return meta.json's new "cells" entry (its
-    report has the figures; "peak_rss_mb" has the largest task peak per stage)."""
+    report has the figures; "peak_rss_mb" has the largest task peak per stage, "seconds"
+    each stage's wall time)."""
     data_dir = Path(data_dir)
     meta = read_meta(data_dir)
     _check(embedder, checkpoint, clusters, domains, buckets, sample_docs, min_cell_fraction)
@@ -104,35 +105,40 @@ def curate(data_dir: str | Path, embedder: str = "lexical", checkpoint: str | Pa
                       tuple(_stream_offsets(data_dir)))
     _start_work(plan)
     with RayExecutor() if use_ray else Executor(workers) as executor:
-        sample = sample_ids(plan)
+        with executor.timed("sample"):
+            sample = sample_ids(plan)
         if not sample:
             raise UserError(f"{data_dir} has no kept document with tokens to curate")
         cluster.check_k(clusters, len(sample))  # before the embedding work, not after it
         if embedder == "lexical" and not plan.path(embed.LEXICAL_FILE).exists():
-            embed.fit_lexical((_lexical_text(t) for _, t in _sample_texts(plan, sample)),
-                              dim, seed, plan.path(embed.LEXICAL_FILE))
+            with executor.timed("fit_lexical"):
+                embed.fit_lexical((_lexical_text(t) for _, t in _sample_texts(plan, sample)),
+                                  dim, seed, plan.path(embed.LEXICAL_FILE))
         executor.map(tasks(plan, "embed"), "embed")
-        vectors, sample_order = _sample_vectors(plan, sample)
-        centroids_file = plan.path("centroids.npy")
-        if not centroids_file.exists():
-            centroids = cluster.fit_centroids(vectors, clusters, seed)
-            np.save(centroids_file, centroids)
-        centroids = np.load(centroids_file)
+        with executor.timed("fit_centroids"):
+            vectors, sample_order = _sample_vectors(plan, sample)
+            centroids_file = plan.path("centroids.npy")
+            if not centroids_file.exists():
+                np.save(centroids_file, cluster.fit_centroids(vectors, clusters, seed))
+            centroids = np.load(centroids_file)
         executor.map(tasks(plan, "assign"), "assign")
-        fine_sizes = np.zeros(len(centroids), np.int64)
-        for shard in range(plan.shards):
-            fine = read_table(plan.shard_file("assign", shard), ["fine"])["fine"].to_numpy()
-            fine_sizes += np.bincount(fine, minlength=len(centroids))
-        domain_of = cluster.merge_to_domains(centroids, fine_sizes, domains)
-        qualities = _sample_qualities(plan, sample)
-        ref = cellmod.reference(qualities.values())
-        sample_q = np.array([cellmod.composite(qualities[i], ref) for i in sample_order])
-        cut_points = cellmod.cuts(sample_q, buckets)
+        with executor.timed("merge_and_cut"):
+            fine_sizes = np.zeros(len(centroids), np.int64)
+            for shard in range(plan.shards):
+                fine = read_table(plan.shard_file("assign", shard), ["fine"])["fine"].to_numpy()
+                fine_sizes += np.bincount(fine, minlength=len(centroids))
+            domain_of = cluster.merge_to_domains(centroids, fine_sizes, domains)
+            qualities = _sample_qualities(plan, sample)
+            ref = cellmod.reference(qualities.values())
+            sample_q = np.array([cellmod.composite(qualities[i], ref) for i in sample_order])
+            cut_points = cellmod.cuts(sample_q, buckets)
         executor.map(tasks(plan, "cells", domain_of=domain_of.tolist(), ref=ref,
                            cut_points=cut_points), "cells")
-        entry = write_cells(plan, meta, centroids, domain_of, cut_points, sample,
-                            vectors, sample_order)
+        with executor.timed("report"):
+            entry = write_cells(plan, meta, centroids, domain_of, cut_points, sample,
+                                vectors, sample_order)
         entry["peak_rss_mb"] = dict(executor.peak_rss_mb)
+        entry["seconds"] = dict(executor.seconds)  # wall seconds by stage, driver work too
     shutil.rmtree(plan.path())
     return entry
 

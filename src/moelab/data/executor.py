@@ -20,7 +20,9 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -82,6 +84,7 @@ class Executor:
         self.workers = workers or os.cpu_count() or 1
         self._pool: Any = None
         self.peak_rss_mb: dict[str, float] = {}  # stage -> largest peak of one of its tasks
+        self.seconds: dict[str, float] = {}  # stage -> wall seconds of its maps
 
     def __enter__(self) -> Executor:
         return self
@@ -93,6 +96,20 @@ class Executor:
 
     def map(self, tasks: Sequence[Task], desc: str) -> list[Any]:
         """Every task's result, in task order."""
+        with self.timed(desc):
+            return self._map(tasks, desc)
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Add the wall seconds of the block to `seconds[stage]` (driver work too)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = round(self.seconds.get(stage, 0.0)
+                                        + time.perf_counter() - start, 2)
+
+    def _map(self, tasks: Sequence[Task], desc: str) -> list[Any]:
         if self.workers == 1 or len(tasks) <= 1:
             results = map(measured, tasks)
         else:
@@ -142,7 +159,7 @@ class RayExecutor(Executor):
         if not ray.is_initialized():
             ray.init()
 
-    def map(self, tasks: Sequence[Task], desc: str) -> list[Any]:
+    def _map(self, tasks: Sequence[Task], desc: str) -> list[Any]:
         import ray.data
 
         if not tasks:
