@@ -196,3 +196,56 @@ def test_long_attention_backward_memory_is_linear_in_the_length():
 
     small, large = scratch(2048), scratch(4096)
     assert large / small < 2.5, (small, large)  # linear: 2; quadratic: 4
+
+
+# Short windows packed in a long row (data.short_rows / a stage's short_fraction): the
+# block-diagonal mask makes each window attend exactly as its own sequence would.
+# Tolerance: the same float32 products and sums, except that each query's key sum also
+# runs over masked keys (exact zeros) in another blocking, so results agree to float32
+# rounding accumulated over 2 layers (~1e-6 of values of order 1); 1e-5 leaves 10x.
+@pytest.mark.parametrize("window, windows", [(32, 4), (128, 8)])  # 128 and 1024 tokens:
+def test_windows_cut_from_one_row_attend_as_separate_sequences(window, windows):
+    """...the unrolled short path and the scanned long path (> 512 tokens) of attention."""
+    from moelab.model.transformer import short_segments
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32)
+    model = Transformer.init(cfg, MoEConfig(n_experts=4, top_k=2, dispatch="dropless"),
+                             jax.random.key(0))
+    s = window * windows
+    tokens = jax.random.randint(jax.random.key(1), (2, s), 0, 64)
+    segments = short_segments(2, s, 1, window)  # row 0 cut into windows, row 1 whole
+    packed, _, _ = model(tokens, segments=segments)
+    apart, _, _ = model(tokens[:1].reshape(windows, window))
+    whole, _, _ = model(tokens[1:])
+    np.testing.assert_allclose(packed[0].reshape(windows, window, -1), apart, atol=1e-5)
+    np.testing.assert_allclose(packed[1], whole[0], atol=1e-5)
+    # and the mask matters: without it the later windows see the earlier ones
+    unmasked, _, _ = model(tokens)
+    assert np.abs(unmasked[0, window:] - packed[0, window:]).max() > 1e-3
+
+
+def test_the_train_step_cuts_its_short_rows_into_windows():
+    """A step on one 128-token row with data.short_rows = 1 (windows of 32) has the loss of
+    a step on the 4 windows as sequences of their own (tolerance: as the test above)."""
+    from moelab.config import config_from_dict
+    from moelab.train.optimizer import make_optimizer, trainable
+    from moelab.train.step import make_train_step
+
+    def step_loss(data: dict, batch: np.ndarray) -> float:
+        cfg = config_from_dict({
+            "model": {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4,
+                      "n_kv_heads": 2, "d_ff": 32},
+            "moe": {"n_experts": 4, "top_k": 2, "dispatch": "dropless"}, "data": data})
+        model = Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
+        optimizer = make_optimizer(cfg.optim, 10, None, cfg.model.d_model)
+        step = make_train_step(cfg, optimizer, donate=False)
+        _, _, parts = step(model, optimizer.init(trainable(model)), jnp.asarray(batch))
+        return float(parts["ce"])
+
+    stream = np.random.default_rng(0).integers(0, 64, 129)
+    windows = np.stack([stream[i:i + 33] for i in range(0, 128, 32)])  # [4, 32 + 1]
+    cut = step_loss({"seq_len": 128, "batch_size": 1, "short_rows": 1, "short_len": 32},
+                    stream[None])
+    apart = step_loss({"seq_len": 32, "batch_size": 4}, windows)
+    whole = step_loss({"seq_len": 128, "batch_size": 1}, stream[None])
+    assert abs(cut - apart) < 1e-5 and abs(cut - whole) > 1e-3

@@ -85,6 +85,10 @@ def test_staged_loader_reads_exactly_the_planned_tokens(small_corpus):
      "stages[0].model.rope.factor"),
     ([{"start": 10, "model": {"attn_logit_scale": 0}}], "stages[0].model.attn_logit_scale"),
     ([{"start": 10, "optimizer": "new"}], "stages[0].optimizer"),
+    # short windows: a whole number of the stage's sequences, of a stage longer than the run
+    ([{"start": 10, "seq_len": 64, "short_fraction": 0.25}], "stages[0].short_fraction"),
+    ([{"start": 10, "short_fraction": 0.5}], "stages[0].short_fraction"),
+    ([{"start": 10, "seq_len": 64, "short_fraction": 1.0}], "stages[0].short_fraction"),
 ])
 def test_bad_plans_are_one_line_errors_naming_the_field(small_corpus, stages, field):
     optim = {"grad_accum": 2} if "batch_size" in str(stages) else {}
@@ -106,6 +110,20 @@ def test_a_stage_changes_rope_from_the_runs_model():
     assert (long.rope.type, long.rope.factor, long.attn_logit_scale) == ("yarn", 4, 1.3)
     assert long.rope.beta_fast == 32 and long.d_model == cfg.model.d_model
     assert plan.at(10).summary().endswith("rope yarn x4, attn logit scale 1.3")
+
+
+def test_a_stage_keeps_short_windows_in_its_long_batches():
+    """short_fraction cuts that share of the stage's sequences into windows of the run's
+    seq_len: the stage's config carries it as data.short_rows / short_len."""
+    from moelab.train.plan import stage_config
+
+    cfg = staged("data", [{}, {"start": 10, "seq_len": 128, "batch_size": 4,
+                               "short_fraction": 0.5}])
+    plan = build_plan(cfg)
+    assert (plan.at(9).short_rows, plan.at(10).short_rows, plan.at(10).short_len) == (0, 2, 32)
+    data = stage_config(cfg, plan.at(10)).data
+    assert (data.seq_len, data.batch_size, data.short_rows, data.short_len) == (128, 4, 2, 32)
+    assert plan.at(10).summary().endswith("2 of them cut into windows of 32")
 
 
 TWO_STAGES = [{"mixture": {"code": 1, "prose": 1}},

@@ -147,6 +147,11 @@ class DataConfig:
     # at most this many passes over each mixture component's train tokens in the run
     # (weights above the cap move to the other components); 0 = no cap
     max_epochs: float = 0.0
+    # The first short_rows sequences of every batch are cut into windows of short_len
+    # tokens that attend only within themselves: short-context data inside a long-context
+    # batch (ProLong's mix; a stage's short_fraction sets both). 0 = none.
+    short_rows: int = 0
+    short_len: int = 0
 
 
 HOME_ENV = "MOELAB_HOME"
@@ -497,6 +502,11 @@ def validate(config: Config) -> None:
     _validate_rope(m, d.seq_len)
     _require(math.isfinite(d.max_epochs) and d.max_epochs >= 0, "data.max_epochs",
              f"must be a finite number >= 0 (0 = no cap), got {d.max_epochs}")
+    _require(0 <= d.short_rows <= d.batch_size, "data.short_rows",
+             f"must be in 0..data.batch_size={d.batch_size}, got {d.short_rows}")
+    _require(not d.short_rows or (0 < d.short_len < d.seq_len and d.seq_len % d.short_len == 0),
+             "data.short_len", f"must divide data.seq_len={d.seq_len} and be shorter than it "
+             f"(the short windows of data.short_rows), got {d.short_len}")
     _validate_mesh(config)
     build_plan(config)  # stages: order, ends, mixtures, shapes, LR restarts
 

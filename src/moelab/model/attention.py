@@ -9,7 +9,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from moelab.config import ModelConfig
 from moelab.model.layers import RMSNorm, apply_rope, linear, normal
@@ -78,8 +78,11 @@ class Attention(eqx.Module):
         sin: Array,
         cache: KVCache | None = None,
         cache_index: Array | int = 0,
+        segments: Int[Array, "B S"] | None = None,
     ) -> tuple[Float[Array, "B S D"], KVCache | None]:
-        """Attend causally; with a cache, x holds new positions starting at cache_index."""
+        """Attend causally; with a cache, x holds new positions starting at cache_index.
+        With `segments` (no cache), a query sees only keys of its own segment id: windows
+        packed in one row attend as if each were its own sequence (RoPE is relative)."""
         b, s, _ = x.shape
         q = linear(x, self.wq).reshape(b, s, self.n_heads, self.head_dim)
         k = linear(x, self.wk).reshape(b, s, self.n_kv_heads, self.head_dim)
@@ -89,7 +92,7 @@ class Attention(eqx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:  # query chunk by chunk, each against the keys it can see
             chunk = self._attend_short if s <= SHORT_LIMIT else self._attend_long
-            out = jnp.concatenate([chunk(q[:, a:e], k[:, :e], v[:, :e], a)
+            out = jnp.concatenate([chunk(q[:, a:e], k[:, :e], v[:, :e], a, segments)
                                    for a, e in causal_chunks(s)], axis=1)
         else:
             write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
@@ -100,22 +103,27 @@ class Attention(eqx.Module):
             out = self._attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
         return linear(out.reshape(b, s, -1), self.wo), cache
 
-    def _attend_short(self, q: Array, k: Array, v: Array, first: int) -> Array:
+    def _attend_short(self, q: Array, k: Array, v: Array, first: int,
+                      segments: Array | None) -> Array:
         """Queries at first.. against every key of k, the probabilities kept for backward."""
-        return self._attend(q, k, v, _causal(first, q.shape[1], k.shape[1]))
+        return self._attend(q, k, v, _mask(first, q.shape[1], k.shape[1], segments))
 
-    def _attend_long(self, q: Array, k: Array, v: Array, first: int) -> Array:
+    def _attend_long(self, q: Array, k: Array, v: Array, first: int,
+                     segments: Array | None) -> Array:
         """The same, LONG_QUERY_CHUNK queries at a time (the tail padded), each recomputed
         in the backward pass: memory linear in the keys for a fixed sub-chunk size."""
         b, s = q.shape[:2]
         c = LONG_QUERY_CHUNK
         n = -(-s // c)
         q = jnp.pad(q, ((0, 0), (0, n * c - s), (0, 0), (0, 0)))
+        if segments is not None:  # padded queries: any id, their rows are cut off below
+            segments = jnp.pad(segments, ((0, 0), (0, max(0, first + n * c - segments.shape[1]))))
 
         @jax.checkpoint
         def sub_chunk(_, start):
             rows = jax.lax.dynamic_slice_in_dim(q, start, c, axis=1)
-            return None, self._attend(rows, k, v, _causal(first + start, c, k.shape[1]))
+            return None, self._attend(rows, k, v,
+                                      _mask(first + start, c, k.shape[1], segments))
 
         _, out = jax.lax.scan(sub_chunk, None, jnp.arange(n) * c)  # [n, B, c, KV, G, K]
         return jnp.moveaxis(out, 0, 1).reshape(b, n * c, *out.shape[3:])[:, :s]
@@ -134,10 +142,26 @@ class Attention(eqx.Module):
         heads_first = lambda a: a.transpose(0, 2, 1, 3).reshape(b * n, t, hd)
         logits = jnp.einsum("zqk,ztk->zqt", q, heads_first(k)).astype(jnp.float32)
         logits = logits * (self.logit_scale / jnp.sqrt(hd))
-        logits = jnp.where(jnp.tile(mask, (groups, 1)), logits, jnp.finfo(jnp.float32).min)
+        if mask.ndim == 3:  # per sequence [B, S, T] -> [B*KV, G*S, T], as the logits
+            mask = jnp.broadcast_to(mask[:, None, None], (b, n, groups, s, t)).reshape(
+                b * n, groups * s, t)
+        else:
+            mask = jnp.tile(mask, (groups, 1))
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         out = jnp.einsum("zqt,ztk->zqk", probs, heads_first(v))
         return out.reshape(b, n, groups, s, hd).transpose(0, 3, 1, 2, 4)
+
+
+def _mask(first: Array | int, queries: int, keys: int, segments: Array | None) -> Array:
+    """The causal mask [queries, keys], and with segments [B, queries, keys]: also only keys
+    of the query's segment (segments [B, >= first + queries] covers the queries' positions;
+    keys are positions 0..keys-1)."""
+    causal = _causal(first, queries, keys)
+    if segments is None:
+        return causal
+    seg_q = jax.lax.dynamic_slice_in_dim(segments, first, queries, axis=1)
+    return causal[None] & (seg_q[:, :, None] == segments[:, None, :keys])
 
 
 def _causal(first: Array | int, queries: int, keys: int) -> Array:

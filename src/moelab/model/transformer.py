@@ -44,10 +44,11 @@ class Block(eqx.Module):
                    ffn=(SwiGLU.init(cfg.d_model, d_dense, cfg.init_std, kf) if dense
                         else MoE.init(cfg, moe, kf)))
 
-    def __call__(self, x, cos, sin, cache=None, cache_index=0):
+    def __call__(self, x, cos, sin, cache=None, cache_index=0, segments=None):
         # the named scopes label the ops in a profile (bench/profile_step.py, TensorBoard)
         with jax.named_scope("attention"):
-            attended, cache = self.attn(self.attn_norm(x), cos, sin, cache, cache_index)
+            attended, cache = self.attn(self.attn_norm(x), cos, sin, cache, cache_index,
+                                        segments)
         h = x + attended
         if isinstance(self.ffn, MoE):
             out, stats = self.ffn(self.ffn_norm(h))
@@ -86,8 +87,10 @@ class Transformer(eqx.Module):
         tokens: Int[Array, "B S"],
         caches: Caches | None = None,
         cache_index: Array | int = 0,
+        segments: Int[Array, "B S"] | None = None,
     ) -> tuple[Float[Array, "B S V"], MoEStats | None, Caches | None]:
-        """Logits for every position, per-MoE-layer stats stacked [L_moe], updated caches."""
+        """Logits for every position, per-MoE-layer stats stacked [L_moe], updated caches.
+        `segments` (training, no cache): attention stays within equal ids (`short_segments`)."""
         b, s = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
         cos, sin = rope_angles(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta,
@@ -96,22 +99,25 @@ class Transformer(eqx.Module):
             x = self.embed[tokens]
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         dense_cache, moe_cache = caches if caches is not None else (None, None)
-        x, _, dense_cache = self._run(self.dense_layers, x, cos, sin, dense_cache, cache_index)
-        x, stats, moe_cache = self._run(self.moe_layers, x, cos, sin, moe_cache, cache_index)
+        x, _, dense_cache = self._run(self.dense_layers, x, cos, sin, dense_cache, cache_index,
+                                      segments)
+        x, stats, moe_cache = self._run(self.moe_layers, x, cos, sin, moe_cache, cache_index,
+                                        segments)
         with jax.named_scope("head"):
             x = self.final_norm(x)
             head = self.embed.T if self.lm_head is None else self.lm_head
             logits = linear(x, head).astype(jnp.float32)
         return logits, stats, (dense_cache, moe_cache) if caches is not None else None
 
-    def _run(self, stack: Block | None, x, cos, sin, cache: KVCache | None, cache_index):
+    def _run(self, stack: Block | None, x, cos, sin, cache: KVCache | None, cache_index,
+             segments=None):
         """Run one stack of layers: scanned, or unrolled over the same stacked arrays."""
         if stack is None:
             return x, None, cache
 
         def layer(x, block_and_cache):
             block, cache = block_and_cache
-            x, stats, cache = block(x, cos, sin, cache, cache_index)
+            x, stats, cache = block(x, cos, sin, cache, cache_index, segments)
             return x, (stats, cache)
 
         layer = remat(layer, self.cfg.remat)
@@ -183,3 +189,12 @@ def remat(layer, policy: str):
         return jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
     return jax.checkpoint(
         layer, policy=jax.checkpoint_policies.save_only_these_names(*SAVE_MOE_NAMES))
+
+
+def short_segments(batch: int, seq_len: int, short_rows: int, short_len: int) -> Array | None:
+    """[batch, seq_len] segment ids that cut the first `short_rows` sequences into windows of
+    `short_len` (data.short_rows / data.short_len); None when there are none."""
+    if not short_rows:
+        return None
+    windows = jnp.arange(seq_len) // short_len + 1  # 1.. per window; a long row is all 0
+    return jnp.where(jnp.arange(batch)[:, None] < short_rows, windows[None], 0)

@@ -53,6 +53,9 @@ class StageConfig:
     # constant: batch_size = data.batch_size * data.seq_len / seq_len (must divide).
     seq_len: int = 0
     batch_size: int = 0  # 0 = data.batch_size (or the token-constant one above)
+    # this fraction of each batch's sequences cut into windows of the run's data.seq_len
+    # that attend only within themselves (short data kept in a long-context stage)
+    short_fraction: float = 0.0
     optimizer: Literal["keep", "fresh"] = "keep"  # fresh: new AdamW moments at the start
     restart: RestartConfig | None = None  # null: the whole-run schedule (optim.*) continues
     # overrides of STAGE_MODEL_FIELDS, from the run's model.* (not the stage before's);
@@ -75,6 +78,8 @@ class Stage:
     optimizer: str
     restart: RestartConfig | None
     model: Any  # the ModelConfig the stage trains: the run's model.* with its overrides
+    short_rows: int = 0  # data.short_rows / short_len as the stage trains
+    short_len: int = 0
 
     @property
     def rows(self) -> int:
@@ -90,6 +95,8 @@ class Stage:
         rope = "" if rope.type == "default" else f", rope {rope.type} x{rope.factor:g}"
         scale = self.model.attn_logit_scale
         scale = "" if scale == 1 else f", attn logit scale {scale:g}"
+        if self.short_rows:
+            scale += f", {self.short_rows} of them cut into windows of {self.short_len}"
         return (f"stage {self.index}{f' ({self.name})' if self.name else ''}: steps "
                 f"{self.start}..{self.end}, mixture {{{mix}}}, seq_len {self.seq_len} x batch "
                 f"{self.batch_size}, optimizer {self.optimizer}, lr {lr}{rope}{scale}")
@@ -159,7 +166,7 @@ def build_plan(cfg: Config) -> Plan:
     d, steps = cfg.data, cfg.train.steps
     if not cfg.stages:
         only = Stage(0, "", 0, steps, dict(d.mixture), d.seq_len, d.batch_size, "keep", None,
-                     cfg.model)
+                     cfg.model, d.short_rows, d.short_len)
         return Plan((only,), steps, staged=False)
     raw = list(cfg.stages)
     starts = [_start_step(s, steps, f"stages[{i}]") for i, s in enumerate(raw)]
@@ -194,16 +201,35 @@ def build_plan(cfg: Config) -> Plan:
                               "'fresh' applies to a later stage")
         if stage.restart is not None:
             _check_restart(stage.restart, end - start, f"{where}.restart")
+        short_rows = _short_rows(stage.short_fraction, seq_len, batch, d.seq_len, where)
         stages.append(Stage(i, stage.name, start, end, dict(stage.mixture or d.mixture), seq_len,
-                            batch, stage.optimizer, stage.restart, model))
+                            batch, stage.optimizer, stage.restart, model, short_rows,
+                            d.seq_len if short_rows else 0))
     return Plan(tuple(stages), steps, staged=True, offset=offset)
 
 
 def stage_config(cfg: Config, stage: Stage) -> Config:
     """`cfg` as a stage trains it: its seq_len, batch size and model (RoPE) settings. What
     the memory check, MFU, the step and every reader of a checkpoint of the stage use."""
-    data = dataclasses.replace(cfg.data, seq_len=stage.seq_len, batch_size=stage.batch_size)
+    data = dataclasses.replace(cfg.data, seq_len=stage.seq_len, batch_size=stage.batch_size,
+                               short_rows=stage.short_rows, short_len=stage.short_len)
     return dataclasses.replace(cfg, data=data, model=stage.model)
+
+
+def _short_rows(fraction: float, seq_len: int, batch: int, run_seq_len: int,
+                where: str) -> int:
+    """The sequences of a stage's batch that short_fraction cuts into run-length windows."""
+    if not (math.isfinite(fraction) and 0 <= fraction < 1):
+        raise ConfigError(f"{where}.short_fraction: must be in [0, 1), got {fraction}")
+    rows = round(fraction * batch)
+    if abs(rows - fraction * batch) > 1e-9:
+        raise ConfigError(f"{where}.short_fraction: {fraction} of the stage's {batch} "
+                          f"sequences is not a whole number")
+    if rows and (seq_len <= run_seq_len or seq_len % run_seq_len):
+        raise ConfigError(f"{where}.short_fraction: cuts sequences into windows of "
+                          f"data.seq_len={run_seq_len}, so the stage's seq_len ({seq_len}) "
+                          "must be a larger multiple of it")
+    return rows
 
 
 def _check_mixture(mixture: dict[str, float], where: str) -> None:

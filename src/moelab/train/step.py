@@ -17,6 +17,7 @@ import optax
 from moelab.config import Config
 from moelab.model import objective
 from moelab.model.balance import bias_range, update_bias, with_biases_of
+from moelab.model.transformer import short_segments
 from moelab.train.optimizer import bias_rate_scale, trainable
 
 
@@ -31,8 +32,8 @@ def cast_floats(model, dtype):
 def make_loss(cfg: Config):
     dtype = jnp.dtype(cfg.train.dtype)
 
-    def loss(model, batch):
-        logits, stats, _ = cast_floats(model, dtype)(batch[:, :-1])
+    def loss(model, batch, segments=None):
+        logits, stats, _ = cast_floats(model, dtype)(batch[:, :-1], segments=segments)
         with jax.named_scope("loss"):
             return objective(logits, batch[:, 1:], stats, cfg.loss)
 
@@ -43,25 +44,30 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, donate
     grad_fn = eqx.filter_value_and_grad(make_loss(cfg), has_aux=True)
     accum = cfg.optim.grad_accum
 
-    def accumulated(model, batch):
+    d = cfg.data
+
+    def accumulated(model, batch, segments):
         """Mean loss and grads over `accum` micro-batches, one at a time (less memory)."""
         micro = batch.reshape(accum, -1, batch.shape[-1])
+        if segments is not None:
+            segments = segments.reshape(accum, -1, segments.shape[-1])
 
-        def body(carry, mb):
-            (_, parts), grads = grad_fn(model, mb)
+        def body(carry, mb_segments):
+            (_, parts), grads = grad_fn(model, *mb_segments)
             return jax.tree.map(jnp.add, carry, (parts, grads)), None
 
         shapes = eqx.filter_eval_shape(grad_fn, model, micro[0])
         zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        (parts, grads), _ = jax.lax.scan(body, (zero[0][1], zero[1]), micro)
+        (parts, grads), _ = jax.lax.scan(body, (zero[0][1], zero[1]), (micro, segments))
         return jax.tree.map(lambda a: a / accum, (parts, grads))
 
     def step(params, static, opt_state, batch):
         model = eqx.combine(params, static)
+        segments = short_segments(batch.shape[0], batch.shape[1] - 1, d.short_rows, d.short_len)
         if accum == 1:
-            (_, parts), grads = grad_fn(model, batch)
+            (_, parts), grads = grad_fn(model, batch, segments)
         else:
-            parts, grads = accumulated(model, batch)
+            parts, grads = accumulated(model, batch, segments)
         with jax.named_scope("optimizer"):
             scale = bias_rate_scale(cfg, opt_state)
             updates, opt_state = optimizer.update(trainable(grads), opt_state, trainable(model))
