@@ -67,7 +67,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--embedder-steps", type=int, default=200,
                         help="steps of the tiny model the neural embedder uses")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["prepare", "neural"])
+    parser.add_argument("--mix-proxies", type=int, default=32,
+                        help="proxy runs of the mixture search over the lexical cells")
+    parser.add_argument("--mix-steps", type=int, default=300,
+                        help="steps of each proxy and validation run (the tiny preset's)")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["prepare", "lexical", "neural", "mix"],
+                        help="phases to skip (their figures stay as the last run left them)")
     args = parser.parse_args()
     from moelab.data.curate import curate
     from moelab.data.prepare import INSTALLED_SOURCES, prepare
@@ -76,8 +82,8 @@ def main() -> None:
     data = out / "installed"
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     max_docs = args.max_docs or None
-    results["corpus"] = {"sources": "installed", "max_docs_per_source": max_docs}
     if "prepare" not in args.skip:
+        results["corpus"] = {"sources": "installed", "max_docs_per_source": max_docs}
         shutil.rmtree(data, ignore_errors=True)
         meta = measured("prepare", results, prepare, data, INSTALLED_SOURCES,
                         max_docs_per_source=max_docs, max_chars=1_000_000,
@@ -90,21 +96,22 @@ def main() -> None:
         results["phases"]["prepare"]["stage_docs_per_s"] = {
             stage: round(docs / s, 1) for stage, s in meta["seconds"].items() if s > 0}
         results["phases"]["prepare"]["task_peak_rss_mb"] = meta["peak_rss_mb"]["tasks"]
-    for stale in ("mix_search", "mix_search_cells"):  # measured on another corpus
-        results.pop(stale, None)
+        for stale in ("mix_search", "mix_search_cells"):  # measured on another corpus
+            results.pop(stale, None)
     settings = dict(clusters=args.clusters, domains=args.domains, buckets=args.buckets,
                     workers=args.workers)
-    lexical = out / "lexical"
-    shutil.rmtree(lexical, ignore_errors=True)
-    shutil.copytree(data, lexical)
-    entry = measured("curate_lexical", results, curate, lexical, "lexical", **settings)
-    results["lexical"] = figures(entry, results["phases"]["curate_lexical"]["seconds"])
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    if "lexical" not in args.skip:
+        lexical = out / "lexical"
+        shutil.rmtree(lexical, ignore_errors=True)
+        shutil.copytree(data, lexical)
+        entry = measured("curate_lexical", results, curate, lexical, "lexical", **settings)
+        results["lexical"] = figures(entry, results["phases"]["curate_lexical"]["seconds"])
+        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     if "neural" not in args.skip:
         run = out / "embedder_run"
         shutil.rmtree(run, ignore_errors=True)
         cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", "tiny", "--run-dir",
-               str(run), "--set", f"data.path={data}", "--set",
+               str(run), "--set", f"data.path={data.resolve()}", "--set",
                f"train.steps={args.embedder_steps}", "--set", "train.eval_every=1000000"]
         measured("train_embedder", results, subprocess.run, cmd, check=True,
                  capture_output=True)
@@ -115,7 +122,24 @@ def main() -> None:
         results["neural"] = figures(entry, results["phases"]["curate_neural"]["seconds"])
         results["neural"]["embedder"] = f"tiny preset trained {args.embedder_steps} steps"
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    if "mix" not in args.skip:
+        results["mix_search"] = measured("mix_search", results, search_cells, out, args)
+        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps({k: results[k] for k in ("phases",)}, indent=1))
+
+
+def search_cells(out: Path, args: argparse.Namespace) -> dict:
+    """`moelab data mix-search --over cells` on the lexical cells at the tiny preset's
+    scale: proxies and validation runs are the preset itself (its steps and batch), so
+    the predicted loss and the measured one are of the same run length."""
+    from moelab.config import load_config
+    from moelab.data.mixsearch import mix_search
+    from moelab.train.cli import config_path, parse_overrides
+
+    cfg = load_config(config_path("tiny"), parse_overrides(
+        [f"data.path={(out / 'lexical').resolve()}"]))
+    return mix_search(cfg, out / "mix_cells", over="cells", proxies=args.mix_proxies,
+                      proxy_steps=args.mix_steps, validate_steps=args.mix_steps, seeds=2)
 
 
 if __name__ == "__main__":
