@@ -24,11 +24,13 @@ import gzip
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_model, settle  # bench/machine.py
 from rss import Sampler, run_sampled  # bench/rss.py
 
 RESULTS = Path(__file__).parent / "results" / "data_throughput.json"
@@ -294,7 +296,12 @@ def main() -> None:
     args.scales = [int(s) for s in args.scales.split(",")]
     if args.scales[0] != 1:
         parser.error("--scales must start at 1 (Ray runs on the 1x input)")
+    load, waited = settle()  # a quiet machine: these are seconds, not only memory
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
     result: dict = {"docs_per_source_1x": args.docs, "workers": args.workers,
+                    "cpu": cpu_model(), "code_commit": commit or None,
+                    "load_per_core_before": round(load, 2), "waited_for_quiet_s": waited,
                     "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
                     "python": platform.python_version(),
                     "tokenizer_sample_chars": args.tokenizer_chars}
