@@ -249,6 +249,39 @@ def test_plans_the_data_or_the_memory_cannot_hold_fail_before_compiling(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_stage_with_short_windows_trains_its_steps_with_them(small_corpus, tmp_path):
+    """The trainer switches to the stage's cut step at the boundary: the first update of a
+    stage with short_fraction 0.5 logs the loss of the boundary checkpoint on its batch
+    with the first of the 2 sequences cut into windows of 32; the steps before are the
+    same as without the cut."""
+    from moelab.model.transformer import short_segments
+    from moelab.train.checkpoint import load_latest
+    from moelab.train.plan import stage_config
+    from moelab.train.step import make_loss
+    from moelab.train.trainer import train
+
+    def run(name, **cut):
+        cfg = config_from_dict({**tiny_config(small_corpus, train={
+            "steps": 14, "eval_every": 100, "checkpoint_every": 12,
+            "keep_stage_checkpoints": True}), "stages": [{}, {"start": 12, "seq_len": 64, **cut}]})
+        train(cfg, tmp_path / name)
+        return cfg, losses(tmp_path / name)
+
+    _, plain = run("plain")
+    cfg, cut = run("cut", short_fraction=0.5)
+    assert [cut[s] for s in range(1, 13)] == [plain[s] for s in range(1, 13)]
+    model, _, _ = load_latest(tmp_path / "cut", only_step=12)
+    plan = build_plan(cfg)
+    stage = plan.at(12)
+    batch = StagedLoader(cfg.data.path, plan.stages, seed=cfg.data.seed).batch(12)
+    segments = short_segments(2, 64, 1, 32)
+    as_cut = float(make_loss(stage_config(cfg, stage))(model, batch, segments)[0])
+    as_whole = float(make_loss(stage_config(cfg, stage))(model, batch)[0])
+    # the jitted step and this eager call sum in another order: float32 rounding only
+    assert abs(cut[13] - as_cut) < 1e-5 * as_cut
+    assert abs(cut[13] - as_whole) > 3 * abs(cut[13] - as_cut), (cut[13], as_cut, as_whole)
+
+
 # Pre-train at 32 tokens, extend to 128 (4x, tokens per step kept: batch 4 -> 1) with yarn
 # and a logit scale for the last 4 of 16 steps: the long-context recipe in miniature.
 EXTENSION = [{"name": "pretrain"},

@@ -157,6 +157,7 @@ class Trainer:
         # and the step compiles once.
         self.opt_state = self._fresh_opt_state()
         self.train_step = make_train_step(cfg, self.optimizer)
+        self._step_cut = (cfg.data.short_rows, cfg.data.short_len)  # what train_step masks
         self.eval_step = make_eval_step(cfg)
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
@@ -429,6 +430,9 @@ class Trainer:
                                  if isinstance(node, Transformer) else node)
             self.model, self.opt_state = jax.tree.map(
                 swap, (self.model, self.opt_state), is_leaf=lambda n: isinstance(n, Transformer))
+        if (stage.short_rows, stage.short_len) != self._step_cut:  # the stage's short windows
+            self.train_step = make_train_step(stage_config(self.cfg, stage), self.optimizer)
+            self._step_cut = (stage.short_rows, stage.short_len)
         if not self.plan.staged or stage.start != self.step:
             return
         if self.plan.fresh_optimizer_at(self.step):
