@@ -59,3 +59,33 @@ def test_mix_search_end_to_end(small_corpus, tmp_path):
     assert all(w <= result["epoch_caps"][k] + 1e-6 for k, w in result["chosen_weights"].items())
     for key in ("predicted_loss", "measured_loss", "measured_loss_sd", "baseline_loss"):
         assert np.isfinite(result[key])
+
+
+def test_reused_proxies_and_the_trust_region(small_corpus, tmp_path):
+    """--reuse-proxies takes an earlier search's proxy runs (refused in one line when they
+    are another search's); --trust proxies keeps each weight within what a proxy gave it,
+    though this law's optimum is the all-code corner."""
+    from conftest import tiny_config
+
+    from moelab.config import config_from_dict
+    from moelab.data.mixsearch import MIN_PROXIES, mix_search
+    from moelab.errors import UserError
+
+    cfg = config_from_dict(tiny_config(small_corpus))
+    draws = np.random.default_rng(0).dirichlet(np.ones(2), size=MIN_PROXIES)  # seed 0's
+    law = np.array([[1.0, 1.6], [1.2, 1.3]])  # [sources, components]: code helps both
+    runs = [{"weights": w.tolist(), "losses": dict(zip(["code", "prose"], np.exp(law @ w).tolist(),
+                                                        strict=True))}
+            for w in draws]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"components": ["code", "prose"], "runs": runs,
+                                   "proxy_steps": 40, "seed": 0}))
+    common = dict(proxy_steps=40, validate_steps=2, eval_batches=1, kl_weight=0.0)
+    with pytest.raises(UserError, match="not this search's") as err:
+        mix_search(cfg, tmp_path / "other", seed=1, reuse=earlier, **common)
+    assert "\n" not in str(err.value)
+    result = mix_search(cfg, tmp_path / "trusted", reuse=earlier, trust="proxies", **common)
+    assert result["runs"] == json.loads(json.dumps(runs))  # taken, not trained
+    top = draws[:, 0].max()
+    assert result["bounds"]["code"] == pytest.approx(top)
+    assert result["chosen_weights"]["code"] == pytest.approx(top, abs=1e-4)  # at the bound

@@ -115,6 +115,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="held-out batches per source scoring each run")
     search.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
                         help="draws the proxies' weights")
+    search.add_argument("--trust", choices=["none", "proxies"], default="none",
+                        help="proxies: keep each weight at most the largest a proxy gave it "
+                        "(the region the regression saw)")
+    search.add_argument("--reuse-proxies", default=None, metavar="MIX_SEARCH_JSON",
+                        help="take the proxy runs of an earlier search with the same "
+                        "components, --proxies, --proxy-steps and --seed")
     add_ray_arguments(search, "proxy or validation run")
     search.set_defaults(func=run_mix_search)
 
@@ -208,7 +214,8 @@ def run_mix_search(args: argparse.Namespace) -> int:
     result = mix_search(cfg, args.out, args.over, args.proxies, args.proxy_steps,
                         args.validate_steps, args.seeds, args.max_epochs, args.target,
                         args.holdout, args.kl_weight, args.eval_batches, args.seed,
-                        args.ray, args.cpus_per_run, **ray_options(args))
+                        args.ray, args.cpus_per_run, trust=args.trust,
+                        reuse=args.reuse_proxies, **ray_options(args))
     reg = result["regression"]
     print(f"regression held-out MAE {reg['holdout_mae']:.4f} (max {reg['holdout_max_error']:.4f})")
     print("chosen: " + ", ".join(f"{k} {v:.3f}" for k, v in result["chosen_weights"].items()))

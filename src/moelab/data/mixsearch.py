@@ -41,6 +41,7 @@ from moelab.errors import UserError
 from moelab.jobs import Job, run_jobs
 
 MIN_PROXIES = 24
+TRUST = ("none", "proxies")  # mix_search's trust regions
 RUNS_DIR = "runs"  # out/runs/<name>/: each proxy's and validation run's attempts (Ray)
 
 
@@ -140,7 +141,8 @@ def predict(models: list, weights: np.ndarray) -> np.ndarray:
 def choose(models: list, prior: np.ndarray, caps: np.ndarray, target: int | None,
            kl_weight: float) -> np.ndarray:
     """argmin objective(w) + kl_weight KL(w || prior) over {w >= 0, w <= caps, sum w = 1},
-    by SLSQP from the prior and every vertex-ish start; the best feasible result."""
+    by SLSQP from the prior and every vertex-ish start; the best feasible result. (A trust
+    region is a tighter `caps`.)"""
     from scipy.optimize import minimize
     from scipy.special import xlogy
 
@@ -171,8 +173,15 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
                proxy_steps: int = 40, validate_steps: int | None = None, seeds: int = 2,
                max_epochs: float = 4.0, target: str | None = None, holdout: int = 6,
                kl_weight: float = 0.05, eval_batches: int = 8, seed: int = 0,
-               ray: str | None = None, cpus: float = 1.0, **ray_options) -> dict:
-    """Run the search; write out/mix_search.json and return it. `ray`: as `run_jobs`."""
+               ray: str | None = None, cpus: float = 1.0, trust: str = "none",
+               reuse: str | Path | None = None, **ray_options) -> dict:
+    """Run the search; write out/mix_search.json and return it. `ray`: as `run_jobs`.
+
+    trust: "none" optimizes over the whole capped simplex; "proxies" also keeps each weight
+    at most the largest weight any proxy gave its component (the region the regression
+    was fitted on: a log-linear law without interactions has its optimum at a corner, which
+    no proxy may have come near). reuse: an earlier mix_search.json of the same search
+    (components, proxies, steps, seed) whose proxy runs are taken instead of trained."""
     # an absolute dataset path: what a Ray worker in another directory must read
     cfg = replace(cfg, data=replace(cfg.data, path=str(data_dir(cfg.data.path).resolve())))
     meta = read_meta(cfg.data.path)
@@ -188,6 +197,8 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
                         f"{meta['sources']}")
     if seeds < 2:
         raise UserError(f"--seeds must be >= 2 to tell a difference from seed noise, got {seeds}")
+    if trust not in TRUST:
+        raise UserError(f"--trust must be one of {list(TRUST)}, got {trust!r}")
     validate_steps = validate_steps or proxy_steps
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -202,11 +213,14 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
     draws = rng.dirichlet(np.ones(len(names)), size=proxies)
     started = time.perf_counter()
     width = len(str(proxies))
-    proxy_jobs = [job(f"proxy-{i + 1:0{width}d}", w, proxy_steps, seed)
-                  for i, w in enumerate(draws)]
-    done = run_jobs(proxy_jobs, ray, **ray_options)
-    runs = [{"weights": w.tolist(), "losses": done[j.name]}
-            for w, j in zip(draws, proxy_jobs, strict=True)]
+    if reuse is None:
+        proxy_jobs = [job(f"proxy-{i + 1:0{width}d}", w, proxy_steps, seed)
+                      for i, w in enumerate(draws)]
+        done = run_jobs(proxy_jobs, ray, **ray_options)
+        runs = [{"weights": w.tolist(), "losses": done[j.name]}
+                for w, j in zip(draws, proxy_jobs, strict=True)]
+    else:
+        runs = reused_runs(Path(reuse), names, proxies, proxy_steps, seed, draws)
     y = np.array([[r["losses"][s] for s in sources] for r in runs])
     fit_on = proxies - holdout
     held = predict(fit_loglinear(draws[:fit_on], y[:fit_on]), draws[fit_on:])
@@ -223,8 +237,12 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
     train_tokens = np.array(resolve_mixture(
         meta, "train", dict.fromkeys(names, 1.0)).tokens, float)
     caps = max_epochs * train_tokens / run_tokens
+    bounds = caps if trust == "none" else np.minimum(caps, draws.max(axis=0))
+    if bounds.sum() < 1:
+        raise UserError(f"--max-epochs {max_epochs} with --trust {trust} leaves no mixture: "
+                        f"the weights' bounds sum to {bounds.sum():.3f} < 1")
     t = None if target is None else sources.index(target)
-    chosen = choose(models, prior, caps, t, kl_weight)
+    chosen = choose(models, prior, bounds, t, kl_weight)
 
     def objective(losses: dict[str, float]) -> float:
         return float(np.mean(list(losses.values())) if target is None else losses[target])
@@ -250,7 +268,9 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
         "model": {"d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,
                   "n_experts": cfg.moe.n_experts},
         "max_epochs": max_epochs, "epoch_caps": dict(zip(names, caps.tolist(), strict=True)),
-        "kl_weight": kl_weight, "seed": seed,
+        "kl_weight": kl_weight, "seed": seed, "trust": trust,
+        "bounds": dict(zip(names, bounds.tolist(), strict=True)),
+        "reused_proxies_from": None if reuse is None else str(reuse),
         "regression": {
             "model": "log L_source = b_source . w (HuberRegressor, no intercept)",
             "holdout_proxies": holdout,
@@ -274,3 +294,20 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
     }
     (out / "mix_search.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def reused_runs(path: Path, names: list[str], proxies: int, steps: int, seed: int,
+                draws: np.ndarray) -> list[dict]:
+    """The proxy runs of an earlier search, if it is this search's: same components,
+    proxy count, steps and seed, hence the same Dirichlet draws (checked)."""
+    try:
+        earlier = json.loads(path.read_text())
+        same = (earlier["components"] == names and len(earlier["runs"]) == proxies
+                and earlier["proxy_steps"] == steps and earlier["seed"] == seed
+                and np.allclose([r["weights"] for r in earlier["runs"]], draws))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"--reuse-proxies {path}: not a readable mix_search.json ({err})") from None
+    if not same:
+        raise UserError(f"--reuse-proxies {path}: its proxies are not this search's (components, "
+                        "--proxies, --proxy-steps and --seed must match)")
+    return earlier["runs"]
