@@ -133,12 +133,12 @@ def main() -> None:
         # held-out MAE (0.07) and the chosen mixture is no worse than by-size.
         results["mix_search_trust"] = measured(
             "mix_search_trust", results, search_cells, out, args, trust="proxies",
-            reuse=out / "mix_cells" / "mix_search.json", name="mix_cells_trust")
+            reuse=out / "mix_cells" / "mix_search.json", sub="mix_cells_trust")
         RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps({k: results[k] for k in ("phases",)}, indent=1))
 
 
-def search_cells(out: Path, args: argparse.Namespace, name: str = "mix_cells",
+def search_cells(out: Path, args: argparse.Namespace, sub: str = "mix_cells",
                  **options: object) -> dict:
     """`moelab data mix-search --over cells` on the lexical cells at the tiny preset's
     scale: proxies and validation runs are the preset itself (its steps and batch), so
@@ -149,7 +149,7 @@ def search_cells(out: Path, args: argparse.Namespace, name: str = "mix_cells",
 
     cfg = load_config(config_path("tiny"), parse_overrides(
         [f"data.path={(out / 'lexical').resolve()}"]))
-    return mix_search(cfg, out / name, over="cells", proxies=args.mix_proxies,
+    return mix_search(cfg, out / sub, over="cells", proxies=args.mix_proxies,
                       proxy_steps=args.mix_steps, validate_steps=args.mix_steps, seeds=2,
                       **options)
 
