@@ -95,11 +95,11 @@ class Stage:
         rope = "" if rope.type == "default" else f", rope {rope.type} x{rope.factor:g}"
         scale = self.model.attn_logit_scale
         scale = "" if scale == 1 else f", attn logit scale {scale:g}"
-        if self.short_rows:
-            scale += f", {self.short_rows} of them cut into windows of {self.short_len}"
+        short = (f", {self.short_rows} of them cut into windows of {self.short_len}"
+                 if self.short_rows else "")
         return (f"stage {self.index}{f' ({self.name})' if self.name else ''}: steps "
                 f"{self.start}..{self.end}, mixture {{{mix}}}, seq_len {self.seq_len} x batch "
-                f"{self.batch_size}, optimizer {self.optimizer}, lr {lr}{rope}{scale}")
+                f"{self.batch_size}, optimizer {self.optimizer}, lr {lr}{rope}{scale}{short}")
 
 
 def _start_step(stage: StageConfig, steps: int, where: str) -> int:

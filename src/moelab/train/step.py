@@ -42,9 +42,7 @@ def make_loss(cfg: Config):
 
 def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, donate: bool = True):
     grad_fn = eqx.filter_value_and_grad(make_loss(cfg), has_aux=True)
-    accum = cfg.optim.grad_accum
-
-    d = cfg.data
+    accum, d = cfg.optim.grad_accum, cfg.data
 
     def accumulated(model, batch, segments):
         """Mean loss and grads over `accum` micro-batches, one at a time (less memory)."""
