@@ -1,9 +1,9 @@
 """The staged default ladder (configs/ladder/staged.yaml): each stage's end pre-registered,
 then scored against the target; the numbers the issue's bar asks for, in one JSON.
 
-    python3 bench/ladder_staged.py [--force]     # ~38 min on 2 idle cores
+    python3 bench/ladder_staged.py [--force]     # ~37 min on 2 idle cores
 
-Runs (or, for the runs already finished in runs/ladder/staged, just reads) the ladder
+Runs (or, for the runs already finished in its out directory, just reads) the ladder
 with `moelab ladder run`'s code and writes bench/results/ladder_staged.json: `stages`
 (each stage's `predicted`, `actual`, `interval`, `relative_error`),
 `curve_median_abs_rel_error` (the pre-registered curve against every evaluation of the

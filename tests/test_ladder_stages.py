@@ -78,6 +78,46 @@ def test_a_known_law_per_stage_is_recovered_and_preregistered(tmp_path):
     assert len(first["points"]) == 9 and first["laws"]["chinchilla"]["backtest"]
 
 
+def synthetic_results(spec) -> list[RunResult]:
+    results = []
+    for rung in spec.rungs:
+        (_, _, end0, _), (_, _, end, tokens) = stage_ends(rung)
+        offset = 1e-4 * (1 if rung.seed else -1)
+        steps = sorted({*range(rung.config.train.eval_every, end + 1,
+                               rung.config.train.eval_every), end0, end})
+        steps = [s for s in steps if rung.parent is None or s > rung.branch_step]
+        curve = [{"step": s, "loss": offset + law(int(s > end0), rung.active_params,
+                                                 s * tokens / end)} for s in steps]
+        results.append(RunResult(rung.name, rung.point, rung.seed, rung.active_params,
+                                 rung.total_params, rung.tokens, rung.compute,
+                                 curve[-1]["loss"], {}, curve))
+    return results
+
+
+def test_stage_law_curve_widens_its_band_by_the_rungs_extrapolation_error(tmp_path):
+    """`fit.stage_law: curve` makes the curve law the value at the end of every stage but
+    the last (the last keeps fit.law's). The target's stage end lies past every rung's S1,
+    so its interval is the curve point's bootstrap band widened on each side by the
+    rungs' own s1_2x backtest error times the value: exactly that, nothing else."""
+    raw = staged_spec(tmp_path / "data")
+    raw["fit"]["stage_law"] = "curve"
+    spec = spec_from_dict(raw, "synthetic", tmp_path / "ladder")
+    record = forecast(spec, synthetic_results(spec), [])
+    first, last = record["stages"]
+    assert (first["law"], last["law"]) == ("curve", "chinchilla")
+    curve = record["laws"]["curve"]
+    point = next(pt for pt in curve["points"] if pt["step"] == first["end_step"])
+    s1_2x = curve["extrapolation"]["backtests"]["s1_2x"]
+    widen = abs(s1_2x["mean_rel_error"]) * point["predicted"]
+    assert widen > 0 and first["value"] == point["predicted"]
+    assert first["low"] == pytest.approx(point["low"] - widen, rel=1e-12)
+    assert first["high"] == pytest.approx(point["high"] + widen, rel=1e-12)
+    assert last["value"] == record["prediction"]["value"]
+    raw["fit"]["stage_law"] = "median"
+    with pytest.raises(ConfigError, match=r"^fit.stage_law: 'median' is not one of"):
+        spec_from_dict(raw, "bad", tmp_path / "ladder")
+
+
 def test_a_branch_whose_stages_switch_before_it_is_refused(tmp_path):
     raw = staged_spec(tmp_path / "data")
     raw["base"]["stages"] = [{"mixture": {}}, {"start": 0.5, "mixture": {"code": 1}}]

@@ -288,6 +288,7 @@ def _stage_forecasts(spec: LadderSpec, results: list[RunResult],
     fit.law's, as for the final prediction; the others are reported beside it."""
     by_name = {r.name: r for r in results}
     rungs = {r.name: r for r in spec.rungs}
+    steps, t_s1, _ = _target_areas(spec.target)
     curve_at = {pt["step"]: pt for pt in laws["curve"].get("points", [])}
     out = []
     for index, name, end, tokens in stage_ends(spec.target)[:-1]:
@@ -308,27 +309,48 @@ def _stage_forecasts(spec: LadderSpec, results: list[RunResult],
                      * tokens)
         stage_laws = _endpoint_laws(spec.fit, n, d, c, y, point_sd, sd, target_at)
         if end in curve_at:
-            pt = curve_at[end]
-            stage_laws["curve"] = {"value": pt["predicted"], "interval": {
-                "low": pt["low"], "high": pt["high"], "confidence": spec.fit.confidence,
-                "method": laws["curve"]["interval"]["method"]}, "fit": laws["curve"]["fit"]}
+            stage_laws["curve"] = _curve_at_stage_end(
+                curve_at[end], float(t_s1[steps == end][0]), laws["curve"], spec.fit.confidence)
         else:
             stage_laws["curve"] = {"skipped": f"no curve-law point at step {end}"}
-        out.append(_stage_entry(spec, index, name, end, tokens, stage_laws, sd, rows))
+        out.append(_stage_entry(spec, index, name, end, tokens, stage_laws, sd, rows,
+                                spec.fit.stage_law or spec.fit.law))
     index, name, end, tokens = stage_ends(spec.target)[-1]
-    out.append(_stage_entry(spec, index, name, end, tokens, laws, None, None))
+    out.append(_stage_entry(spec, index, name, end, tokens, laws, None, None, spec.fit.law))
     return out
 
 
+def _curve_at_stage_end(pt: dict[str, Any], s1: float, curve: dict[str, Any],
+                        confidence: float) -> dict[str, Any]:
+    """The curve law at a stage's end. Its bootstrap band holds the seed noise only; a
+    stage end whose S1 lies past every rung's also carries the law's own error when it
+    extrapolates along S1, which the rungs measure (`s1_2x`: fitted on the points with S1
+    up to half the rungs' largest, scored on the rest): the band is widened on both sides
+    by that backtest's mean relative error (its bias, not its noise) times the value."""
+    reach = curve.get("extrapolation", {})
+    s1_2x = reach.get("backtests", {}).get("s1_2x", {})
+    past = reach.get("rungs_s1_max") is not None and s1 > reach["rungs_s1_max"]
+    widen = abs(s1_2x["mean_rel_error"]) * pt["predicted"] if (
+        past and "mean_rel_error" in s1_2x) else 0.0
+    method = curve["interval"]["method"] + (
+        f"; widened by the s1_2x backtest's mean relative error "
+        f"({s1_2x['mean_rel_error']:+.4f}) times the value, since the stage ends past the "
+        "rungs' S1" if widen else "")
+    return {"value": pt["predicted"], "fit": curve["fit"], "widened_by": widen,
+            "interval": {"low": pt["low"] - widen, "high": pt["high"] + widen,
+                         "confidence": confidence, "method": method}}
+
+
 def _stage_entry(spec: LadderSpec, index: int, name: str, end: int, tokens: int,
-                 laws: dict[str, Any], sd: float | None, rows: list | None) -> dict[str, Any]:
-    chosen = laws[spec.fit.law]
+                 laws: dict[str, Any], sd: float | None, rows: list | None,
+                 law: str) -> dict[str, Any]:
+    chosen = laws[law]
     if "value" not in chosen:
         raise FitError(f"stage {index} ({name or 'unnamed'}): the pre-registered law "
-                       f"{spec.fit.law!r} could not be fitted at its end (step {end}): "
+                       f"{law!r} could not be fitted at its end (step {end}): "
                        f"{chosen['skipped']}")
     return {"index": index, "name": name, "end_step": end, "tokens": tokens,
-            "law": spec.fit.law, "value": chosen["value"], "low": chosen["interval"]["low"],
+            "law": law, "value": chosen["value"], "low": chosen["interval"]["low"],
             "high": chosen["interval"]["high"], "confidence": spec.fit.confidence,
             "laws": laws if rows is not None else {k: {"value": v["value"],
                                                        "interval": v["interval"]}
@@ -367,6 +389,7 @@ def _curve_reach(cn, cs1, cs2, cy, start, t_s1, t_s2, form: str = "q") -> dict[s
     points past half the S1 (`joint`, the closest to what the target asks)."""
     stable, t_stable = cs2 == 0, t_s2 == 0
     reach: dict[str, Any] = {
+        "rungs_s1_max": float(cs1.max()),
         "rungs_stable_s1": float(cs1[stable].max()) if stable.any() else None,
         "target_stable_s1": float(t_s1[t_stable].max()) if t_stable.any() else None}
     if reach["rungs_stable_s1"] and reach["target_stable_s1"]:

@@ -62,6 +62,9 @@ class FitOptions:
     # the whole-curve law's form (moelab.ladder.curve): "q" (chosen by the rung-only
     # backtests of bench/curve_law_study.py) or "tissue" (Tissue et al. 2024's)
     curve_law: str = "q"
+    # the law whose value is the prediction at the end of every stage but the last (null:
+    # `law`): chinchilla | compute | curve
+    stage_law: str | None = None
     # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
     # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
     metric: str = "loss"
@@ -275,6 +278,8 @@ def _fit_options(raw: Any) -> FitOptions:
     laws = ("chinchilla", "compute", "curve")
     if options.law not in laws:
         raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
+    if options.stage_law is not None and options.stage_law not in laws:
+        raise ConfigError(f"fit.stage_law: {options.stage_law!r} is not one of {list(laws)}")
     if options.curve_law not in CURVE_FORMS:
         raise ConfigError(f"fit.curve_law: {options.curve_law!r} is not one of "
                           f"{sorted(CURVE_FORMS)}")
