@@ -33,9 +33,27 @@ import numpy as np
 
 from moelab.config import Config
 
+# Repeated data (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models", eq.
+# 5): a token seen for the (1 + R)-th time is worth exp(-R / R_D*) of a fresh one, with
+# R_D* = 15.39 fitted on their runs; D tokens drawn from U unique ones are worth
+# D' = U + U R_D* (1 - exp(-(D / U - 1) / R_D*)) fresh tokens (D' = D up to one pass).
+# Published, not fitted here: the rungs rarely pass over the corpus, the target may.
+REPEAT_DECAY = 15.39
 
-def schedule_areas(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
-    """(S1, S2), each [steps + 1]: the state after t = 0..steps optimizer steps."""
+
+def effective_tokens(tokens, unique: float | None) -> np.ndarray:
+    """D': what `tokens` drawn from `unique` distinct ones are worth (None: D itself)."""
+    d = np.asarray(tokens, float)
+    if unique is None:
+        return d
+    repeats = np.maximum(d / unique - 1.0, 0.0)
+    return np.minimum(d, unique) + unique * REPEAT_DECAY * (1 - np.exp(-repeats / REPEAT_DECAY))
+
+
+def schedule_areas(cfg: Config, unique: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(S1, S2), each [steps + 1]: the state after t = 0..steps optimizer steps. With
+    `unique` (the corpus's distinct training tokens) each step's tokens count at what they
+    are worth once repeated (REPEAT_DECAY), so S1 at the end is the effective D'."""
     from moelab.train.optimizer import run_schedule
     from moelab.train.plan import build_plan
 
@@ -44,6 +62,9 @@ def schedule_areas(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     plan = build_plan(cfg)
     per_step = np.array([plan.at(i).batch_size * plan.at(i).seq_len for i in range(steps)],
                         float)
+    if unique is not None:  # each step's worth: D' after it minus D' before it
+        seen = np.concatenate([[0.0], np.cumsum(per_step)])
+        per_step = np.diff(effective_tokens(seen, unique))
     annealed = np.where(np.arange(steps) >= cfg.optim.warmup_steps, 1.0 - lr, 0.0)
     s1 = np.concatenate([[0.0], np.cumsum(per_step * lr)])
     s2 = np.concatenate([[0.0], np.cumsum(per_step * np.maximum(annealed, 0.0))])

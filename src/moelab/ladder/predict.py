@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from moelab.errors import UserError
-from moelab.ladder.curve import schedule_areas
+from moelab.ladder.curve import REPEAT_DECAY, effective_tokens, schedule_areas
 from moelab.ladder.fit import (
     FitError,
     chinchilla_theta,
@@ -74,14 +74,15 @@ def pooled_sd(groups: list[list[float]]) -> tuple[float | None, int]:
     return math.sqrt(ss / dof), dof
 
 
-def _curve_points(spec: LadderSpec, results: list[RunResult]) -> dict[str, list]:
+def _curve_points(spec: LadderSpec, results: list[RunResult],
+                  unique: float | None = None) -> dict[str, list]:
     """Every evaluation after warmup, averaged over a point's replicates: N, S1, S2, loss,
     and the replicates' values (for the per-evaluation noise)."""
     by_name = {r.name: r for r in results}
     out: dict[str, list] = {"n": [], "s1": [], "s2": [], "loss": [], "groups": [], "level": []}
     for runs in spec.points().values():
         cfg = runs[0].config
-        s1, s2 = schedule_areas(cfg)
+        s1, s2 = schedule_areas(cfg, unique)
         steps: dict[int, list[float]] = {}
         for r in runs:
             for e in by_name[r.name].curve:
@@ -97,13 +98,14 @@ def _curve_points(spec: LadderSpec, results: list[RunResult]) -> dict[str, list]
     return out
 
 
-def _target_areas(target: Rung) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _target_areas(target: Rung, unique: float | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The target's evaluation steps (as the trainer will score them) and S1, S2 there."""
     t = target.config.train
     ends = build_plan(target.config).starts()  # a stage's end is evaluated too
     steps = sorted({*range(t.eval_every, t.steps + 1, t.eval_every), *ends, t.steps})
     steps = [s for s in steps if s > target.config.optim.warmup_steps]
-    s1, s2 = schedule_areas(target.config)
+    s1, s2 = schedule_areas(target.config, unique)
     return np.array(steps), s1[steps], s2[steps]
 
 
@@ -112,7 +114,8 @@ def forecast(spec: LadderSpec, results: list[RunResult],
     """The pre-registration's content (all but bookkeeping): see the module docstring."""
     rows = point_table(spec, results)
     target, options = spec.target, spec.fit
-    curve = _curve_points(spec, results)
+    unique = _unique_tokens(spec)
+    curve = _curve_points(spec, results, unique)
     seed_sd, dof = pooled_sd([r["losses"] for r in rows])
     eval_sd, eval_dof = pooled_sd(curve["groups"])
     if seed_sd is None:
@@ -129,12 +132,13 @@ def forecast(spec: LadderSpec, results: list[RunResult],
                                "(seed noise fell with tokens trained in moelab's measurements, "
                                "so this is conservative for a longer target)"}
     n = np.array([r["active_params"] for r in rows], float)
-    d = np.array([r["tokens"] for r in rows], float)
+    d = effective_tokens([r["tokens"] for r in rows], unique)
     c = np.array([r["compute"] for r in rows], float)
     y = np.array([r["mean"] for r in rows], float)
     point_sd = seed_sd / np.sqrt([len(r["losses"]) for r in rows])
-    steps, t_s1, t_s2 = _target_areas(target)
-    target_at = (target.active_params, target.tokens, target.compute)
+    steps, t_s1, t_s2 = _target_areas(target, unique)
+    target_at = (target.active_params, float(effective_tokens(target.tokens, unique)),
+                 target.compute)
     laws = _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at)
     laws["curve"] = _curve_law(spec, curve, eval_sd, steps, t_s1, t_s2)
     law = options.law
@@ -148,11 +152,12 @@ def forecast(spec: LadderSpec, results: list[RunResult],
                   "at_bound": chosen["fit"].get("at_bound", []), "metric": METRICS[options.metric],
                   "compute": target.compute}
     out = {"prediction": prediction, "laws": laws, "points": rows, "noise": noise,
+           "repetition": _repetition(spec, unique),
            "stability": _stability_forecast(spec, results),
            "lr_check": _lr_check(spec, results, lr_results),
            "fit_options": asdict(options)}
     if build_plan(target.config).staged:
-        out["stages"] = _stage_forecasts(spec, results, laws)
+        out["stages"] = _stage_forecasts(spec, results, laws, unique)
     return out
 
 
@@ -244,8 +249,8 @@ def _curve_law(spec: LadderSpec, curve: dict[str, list], eval_sd: float, steps: 
 
 def _epochs(spec: LadderSpec) -> dict[str, float] | None:
     """How many passes over the training tokens the longest rung and the target make.
-    The laws see no repetition: a target past the rungs' epochs is outside what they
-    measured (data-constrained scaling, Muennighoff et al. 2023)."""
+    Past one pass the laws count tokens at their repeated worth (fit.repetition); a target
+    far past the rungs' passes still relies on the published decay, not a measured one."""
     from moelab.config import data_dir
     from moelab.data.loader import read_meta
 
@@ -256,6 +261,28 @@ def _epochs(spec: LadderSpec) -> dict[str, float] | None:
     total = sum(meta["train_tokens"].values())
     return {"train_tokens": total, "rungs_max": max(r.tokens for r in spec.rungs) / total,
             "target": spec.target.tokens / total}
+
+
+def _unique_tokens(spec: LadderSpec) -> float | None:
+    """The corpus's distinct training tokens when fit.repetition counts repeats (None: it
+    does not, or the data is not prepared yet, so nothing is discounted)."""
+    if spec.fit.repetition == "none":
+        return None
+    epochs = _epochs(spec)
+    return float(epochs["train_tokens"]) if epochs else None
+
+
+def _repetition(spec: LadderSpec, unique: float | None) -> dict[str, Any]:
+    """What the laws assumed about repeated tokens, for the record."""
+    if unique is None:
+        return {"law": "none", "why": "fit.repetition: none" if spec.fit.repetition == "none"
+                else "no prepared data to count its tokens"}
+    longest = max(spec.rungs, key=lambda r: r.tokens)
+    return {"law": "muennighoff", "r_star": REPEAT_DECAY, "unique_tokens": unique,
+            "target_tokens": spec.target.tokens,
+            "target_effective_tokens": float(effective_tokens(spec.target.tokens, unique)),
+            "longest_rung_tokens": longest.tokens,
+            "longest_rung_effective_tokens": float(effective_tokens(longest.tokens, unique))}
 
 
 def stage_ends(rung: Rung) -> list[tuple[int, str, int, int]]:
@@ -277,8 +304,8 @@ def _loss_at(run: RunResult, rung: Rung, step: int, by_name: dict[str, RunResult
                    "trainer evaluates every stage boundary: retrain it with this moelab")
 
 
-def _stage_forecasts(spec: LadderSpec, results: list[RunResult],
-                     laws: dict[str, Any]) -> list[dict[str, Any]]:
+def _stage_forecasts(spec: LadderSpec, results: list[RunResult], laws: dict[str, Any],
+                     unique: float | None = None) -> list[dict[str, Any]]:
     """The loss at the end of every stage of the target, each pre-registered.
 
     A stage that ends before the last is fitted on the rungs' losses at *their* end of that
@@ -288,7 +315,7 @@ def _stage_forecasts(spec: LadderSpec, results: list[RunResult],
     fit.law's, as for the final prediction; the others are reported beside it."""
     by_name = {r.name: r for r in results}
     rungs = {r.name: r for r in spec.rungs}
-    steps, t_s1, _ = _target_areas(spec.target)
+    steps, t_s1, _ = _target_areas(spec.target, unique)
     curve_at = {pt["step"]: pt for pt in laws["curve"].get("points", [])}
     out = []
     for index, name, end, tokens in stage_ends(spec.target)[:-1]:
@@ -302,11 +329,12 @@ def _stage_forecasts(spec: LadderSpec, results: list[RunResult],
                          "compute": flops_per_token(runs[0].config) * first_end[3]})
         sd, _ = pooled_sd([r["losses"] for r in rows])
         sd = sd if sd is not None else spec.fit.noise_sd
-        n, d, c, y = (np.array([r[k] for r in rows], float)
-                      for k in ("active_params", "tokens", "compute", "mean"))
+        n, c, y = (np.array([r[k] for r in rows], float)
+                   for k in ("active_params", "compute", "mean"))
+        d = effective_tokens([r["tokens"] for r in rows], unique)
         point_sd = sd / np.sqrt([len(r["losses"]) for r in rows])
-        target_at = (spec.target.active_params, tokens, flops_per_token(spec.target.config)
-                     * tokens)
+        target_at = (spec.target.active_params, float(effective_tokens(tokens, unique)),
+                     flops_per_token(spec.target.config) * tokens)
         stage_laws = _endpoint_laws(spec.fit, n, d, c, y, point_sd, sd, target_at)
         if end in curve_at:
             stage_laws["curve"] = _curve_at_stage_end(

@@ -65,6 +65,10 @@ class FitOptions:
     # the law whose value is the prediction at the end of every stage but the last (null:
     # `law`): chinchilla | compute | curve
     stage_law: str | None = None
+    # repeated data: "muennighoff" counts tokens past one pass over the corpus at what they
+    # are worth (moelab.ladder.curve.REPEAT_DECAY) in L(N, D)'s D and the curve law's S1;
+    # "none" counts every token the same
+    repetition: str = "muennighoff"
     # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
     # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
     metric: str = "loss"
@@ -280,6 +284,9 @@ def _fit_options(raw: Any) -> FitOptions:
         raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
     if options.stage_law is not None and options.stage_law not in laws:
         raise ConfigError(f"fit.stage_law: {options.stage_law!r} is not one of {list(laws)}")
+    if options.repetition not in ("muennighoff", "none"):
+        raise ConfigError(f"fit.repetition: {options.repetition!r} is not one of "
+                          "['muennighoff', 'none']")
     if options.curve_law not in CURVE_FORMS:
         raise ConfigError(f"fit.curve_law: {options.curve_law!r} is not one of "
                           f"{sorted(CURVE_FORMS)}")
