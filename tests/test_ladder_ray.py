@@ -115,11 +115,13 @@ def test_ladder_on_a_ray_cluster_survives_a_killed_node(cluster, sequential, tmp
         first = rung.branch_step + 1 if rung.parent else 1
         assert steps == list(range(first, rung.config.train.steps + 1)), rung.name
     # the killed run was retried on the other node and resumed from its newest checkpoint:
-    # it lost at most the steps since that checkpoint (checkpoint_every = 100)
+    # it lost at most the steps since that checkpoint (checkpoint_every = 100). A kill
+    # while step 100k's checkpoint is being written leaves 100(k-1) the newest complete
+    # one, so exactly 100 steps are lost: the bound is <= 100, not < 100
     tries = attempts(victim_run)
     assert len(tries) == 2 and tries[1]["node"] != tries[0]["node"]
     assert tries[1]["resumes_at"] > 0 and tries[1]["resumes_at"] % 100 == 0
-    assert 0 <= tries[1]["lost_steps"] < 100 and tries[1]["resumes_at"] + tries[1]["lost_steps"] \
+    assert 0 <= tries[1]["lost_steps"] <= 100 and tries[1]["resumes_at"] + tries[1]["lost_steps"] \
         >= lost_at - 1  # the metrics of the one step in flight may not have been written
     assert "retried 1x" in text and f"lost {tries[1]['lost_steps']} steps" in text
     # the same numbers as the sequential ladder: every run's whole curve, and the report
