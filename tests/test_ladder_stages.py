@@ -49,20 +49,7 @@ def test_a_known_law_per_stage_is_recovered_and_preregistered(tmp_path):
     that stage's law 10x past the rungs. The points are exact up to a +-1e-4 seed offset,
     so the refit is exact to ~1e-4 relative; 1e-3 leaves room for the solver's tolerance."""
     spec = spec_from_dict(staged_spec(tmp_path / "data"), "synthetic", tmp_path / "ladder")
-    results = []
-    for rung in spec.rungs:
-        (_, _, end0, tokens0), (_, _, end, tokens) = stage_ends(rung)
-        per_step = tokens / end
-        offset = 1e-4 * (1 if rung.seed else -1)
-        steps = sorted({*range(rung.config.train.eval_every, end + 1,
-                               rung.config.train.eval_every), end0, end})
-        steps = [s for s in steps if rung.parent is None or s > rung.branch_step]
-        curve = [{"step": s, "loss": offset + law(int(s > end0), rung.active_params,
-                                                 s * per_step)} for s in steps]
-        results.append(RunResult(rung.name, rung.point, rung.seed, rung.active_params,
-                                 rung.total_params, rung.tokens, rung.compute,
-                                 curve[-1]["loss"], {}, curve))
-    record = forecast(spec, results, [])
+    record = forecast(spec, synthetic_results(spec), [])
     first, last = record["stages"]
     target = spec.target
     assert (first["end_step"], last["end_step"]) == (640, 800)
@@ -79,6 +66,8 @@ def test_a_known_law_per_stage_is_recovered_and_preregistered(tmp_path):
 
 
 def synthetic_results(spec) -> list[RunResult]:
+    """Every rung's curve on LAWS: stage 0's law up to its end, the last stage's after
+    (a +-1e-4 offset per seed, so the replicates differ)."""
     results = []
     for rung in spec.rungs:
         (_, _, end0, _), (_, _, end, tokens) = stage_ends(rung)

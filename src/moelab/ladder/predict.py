@@ -157,7 +157,8 @@ def forecast(spec: LadderSpec, results: list[RunResult],
            "lr_check": _lr_check(spec, results, lr_results),
            "fit_options": asdict(options)}
     if build_plan(target.config).staged:
-        out["stages"] = _stage_forecasts(spec, results, laws, unique)
+        out["stages"] = _stage_forecasts(spec, results, laws, unique,
+                                         dict(zip(steps.tolist(), t_s1.tolist(), strict=True)))
     return out
 
 
@@ -305,7 +306,8 @@ def _loss_at(run: RunResult, rung: Rung, step: int, by_name: dict[str, RunResult
 
 
 def _stage_forecasts(spec: LadderSpec, results: list[RunResult], laws: dict[str, Any],
-                     unique: float | None = None) -> list[dict[str, Any]]:
+                     unique: float | None, target_s1: dict[int, float]
+                     ) -> list[dict[str, Any]]:
     """The loss at the end of every stage of the target, each pre-registered.
 
     A stage that ends before the last is fitted on the rungs' losses at *their* end of that
@@ -315,7 +317,6 @@ def _stage_forecasts(spec: LadderSpec, results: list[RunResult], laws: dict[str,
     fit.law's, as for the final prediction; the others are reported beside it."""
     by_name = {r.name: r for r in results}
     rungs = {r.name: r for r in spec.rungs}
-    steps, t_s1, _ = _target_areas(spec.target, unique)
     curve_at = {pt["step"]: pt for pt in laws["curve"].get("points", [])}
     out = []
     for index, name, end, tokens in stage_ends(spec.target)[:-1]:
@@ -338,7 +339,7 @@ def _stage_forecasts(spec: LadderSpec, results: list[RunResult], laws: dict[str,
         stage_laws = _endpoint_laws(spec.fit, n, d, c, y, point_sd, sd, target_at)
         if end in curve_at:
             stage_laws["curve"] = _curve_at_stage_end(
-                curve_at[end], float(t_s1[steps == end][0]), laws["curve"], spec.fit.confidence)
+                curve_at[end], target_s1[end], laws["curve"], spec.fit.confidence)
         else:
             stage_laws["curve"] = {"skipped": f"no curve-law point at step {end}"}
         out.append(_stage_entry(spec, index, name, end, tokens, stage_laws, sd, rows,
