@@ -65,9 +65,11 @@ def test_a_known_law_per_stage_is_recovered_and_preregistered(tmp_path):
     assert len(first["points"]) == 9 and first["laws"]["chinchilla"]["backtest"]
 
 
-def synthetic_results(spec) -> list[RunResult]:
+def synthetic_results(spec, after=None) -> list[RunResult]:
     """Every rung's curve on LAWS: stage 0's law up to its end, the last stage's after
-    (a +-1e-4 offset per seed, so the replicates differ)."""
+    (a +-1e-4 offset per seed, so the replicates differ). `after(n, d_end0, d)`, if given,
+    is the loss past stage 0's end instead."""
+    after = after or (lambda n, d0, d: law(1, n, d))
     results = []
     for rung in spec.rungs:
         (_, _, end0, _), (_, _, end, tokens) = stage_ends(rung)
@@ -75,8 +77,10 @@ def synthetic_results(spec) -> list[RunResult]:
         steps = sorted({*range(rung.config.train.eval_every, end + 1,
                                rung.config.train.eval_every), end0, end})
         steps = [s for s in steps if rung.parent is None or s > rung.branch_step]
-        curve = [{"step": s, "loss": offset + law(int(s > end0), rung.active_params,
-                                                 s * tokens / end)} for s in steps]
+        n, d0 = rung.active_params, end0 * tokens / end
+        curve = [{"step": s, "loss": offset + (law(0, n, s * tokens / end) if s <= end0
+                                               else after(n, d0, s * tokens / end))}
+                 for s in steps]
         results.append(RunResult(rung.name, rung.point, rung.seed, rung.active_params,
                                  rung.total_params, rung.tokens, rung.compute,
                                  curve[-1]["loss"], {}, curve))
@@ -104,6 +108,57 @@ def test_stage_law_curve_widens_its_band_by_the_rungs_extrapolation_error(tmp_pa
     assert last["value"] == record["prediction"]["value"]
     raw["fit"]["stage_law"] = "median"
     with pytest.raises(ConfigError, match=r"^fit.stage_law: 'median' is not one of"):
+        spec_from_dict(raw, "bad", tmp_path / "ladder")
+
+
+# A stage gain exactly linear in ln N and ln D: g = G0 + G1 ln N + G2 ln D (about 5%).
+G0, G1, G2 = -0.02, 0.003, 0.004
+
+
+def gain(n: float, d: float) -> float:
+    return G0 + G1 * np.log(n) + G2 * np.log(d)
+
+
+def test_stage_gain_chains_each_stage_end_from_the_one_before(tmp_path):
+    """`fit.stage_gain`: the last stage's end is the first's value times one minus the
+    stage's relative gain, fitted on the rungs' own gains. The rungs' losses at the end
+    of the run are exactly L0(end0) * (1 - g(N, D)) up to a +-1e-4 seed offset, so the
+    gain at the target (4x past the rungs' N, 8x their D) is recovered to ~1e-4 / L
+    (a few 1e-5) times the lever arm; 1e-3 absolute bounds that with room to spare. The
+    chain's value is exact arithmetic on the recovered gain."""
+    raw = staged_spec(tmp_path / "data")
+    raw["fit"]["stage_gain"] = True
+    spec = spec_from_dict(raw, "synthetic", tmp_path / "ladder")
+    results = synthetic_results(spec, lambda n, d0, d: law(0, n, d0) * (1 - gain(n, d)))
+    record = forecast(spec, results, [])
+    first, last = record["stages"]
+    target = spec.target
+    entry = last["laws"]["gain"]
+    assert last["law"] == "gain" and first["law"] == "chinchilla"
+    assert entry["gain"]["predicted"] == pytest.approx(
+        gain(target.active_params, target.tokens), abs=1e-3)
+    assert last["value"] == pytest.approx(first["value"] * (1 - entry["gain"]["predicted"]),
+                                          rel=1e-12)
+    # the interval holds the first stage's, scaled, and the gain's own: it is wider
+    assert last["low"] < last["value"] < last["high"]
+    assert last["high"] - last["low"] > (first["high"] - first["low"]) * (
+        1 - entry["gain"]["predicted"])
+    # the chain is the final prediction, and the other laws stay beside it
+    assert record["prediction"]["value"] == last["value"]
+    assert record["prediction"]["law"] == "gain" and "chinchilla" in last["laws"]
+    # the rung-only backtests of the form score (near) zero error on an exact form
+    for name in ("branches_to_trunks", "narrow_to_widest"):
+        assert entry["rung_backtests"][name]["mean_abs_error"] < 1e-3
+
+
+def test_stage_gain_is_refused_where_it_cannot_apply(tmp_path):
+    raw = staged_spec(tmp_path / "data")
+    raw["fit"]["stage_gain"] = "yes"
+    with pytest.raises(ConfigError, match=r"^fit.stage_gain: must be true or false"):
+        spec_from_dict(raw, "bad", tmp_path / "ladder")
+    raw["fit"]["stage_gain"] = True
+    del raw["base"]["stages"]
+    with pytest.raises(ConfigError, match=r"^fit.stage_gain: the plan has one stage"):
         spec_from_dict(raw, "bad", tmp_path / "ladder")
 
 

@@ -159,6 +159,12 @@ def forecast(spec: LadderSpec, results: list[RunResult],
     if build_plan(target.config).staged:
         out["stages"] = _stage_forecasts(spec, results, laws, unique,
                                          dict(zip(steps.tolist(), t_s1.tolist(), strict=True)))
+        if options.stage_gain:  # the chain of stage gains is the final prediction
+            last = out["stages"][-1]
+            laws["gain"] = last["laws"]["gain"]
+            out["prediction"] = {**prediction, "value": last["value"], "low": last["low"],
+                                 "high": last["high"], "law": "gain", "at_bound": [],
+                                 "method": laws["gain"]["interval"]["method"]}
     return out
 
 
@@ -346,7 +352,80 @@ def _stage_forecasts(spec: LadderSpec, results: list[RunResult], laws: dict[str,
                                 spec.fit.stage_law or spec.fit.law))
     index, name, end, tokens = stage_ends(spec.target)[-1]
     out.append(_stage_entry(spec, index, name, end, tokens, laws, None, None, spec.fit.law))
+    if spec.fit.stage_gain:
+        for k in range(1, len(out)):
+            gain = _stage_gain(spec, results, k, out[k - 1])
+            out[k]["laws"] = {**out[k]["laws"], "gain": gain}
+            out[k] |= {"law": "gain", "value": gain["value"], "low": gain["interval"]["low"],
+                       "high": gain["interval"]["high"]}
     return out
+
+
+def _stage_gain(spec: LadderSpec, results: list[RunResult], k: int,
+                previous: dict[str, Any]) -> dict[str, Any]:
+    """The end of stage k (k >= 1) as the end of stage k-1 (its pre-registered value and
+    interval) times one minus the stage's relative gain g = (L_{k-1} - L_k) / L_{k-1}.
+
+    Every rung run measures g directly: its loss at its own end of stage k-1 and of stage k,
+    at the same fractions of its steps as the target's. g is fitted by least squares as
+    linear in ln N and ln D (D: the tokens trained by the end of stage k), one row per run,
+    so the residual sd holds the seed noise of a run's gain; the target's g gets the
+    Student-t prediction interval of a single new run. The two intervals combine in
+    quadrature (the gain's noise is a run's own, independent of the previous stage's fit).
+    Two rung-only backtests score the form: fitted on the branches, predicting the trunks
+    (further in D), and fitted without the widest rung, predicting it (further in N)."""
+    from scipy import stats
+
+    by_name = {r.name: r for r in results}
+    rungs = {r.name: r for r in spec.rungs}
+    rows = []  # (point, ln N, ln D, g) per run
+    for point, runs in spec.points().items():
+        ends = stage_ends(runs[0])
+        for r in runs:
+            before = _loss_at(by_name[r.name], rungs[r.name], ends[k - 1][2], by_name)
+            after = _loss_at(by_name[r.name], rungs[r.name], ends[k][2], by_name)
+            rows.append((point, math.log(r.active_params), math.log(ends[k][3]),
+                         (before - after) / before))
+    x = np.array([[1.0, n, d] for _, n, d, _ in rows])
+    g = np.array([row[3] for row in rows])
+    dof = len(g) - x.shape[1]
+    if dof < 1 or np.linalg.matrix_rank(x) < x.shape[1]:
+        raise FitError(f"stage {k}: the stage's gain needs rungs at two or more widths and "
+                       f"token counts and more than 3 runs (has {len(g)})")
+    beta = np.linalg.lstsq(x, g, rcond=None)[0]
+    resid = g - x @ beta
+    s = math.sqrt(float(resid @ resid) / dof)
+    tokens = stage_ends(spec.target)[k][3]
+    xt = np.array([1.0, math.log(spec.target.active_params), math.log(tokens)])
+    gt = float(xt @ beta)
+    t = float(stats.t.ppf((1 + spec.fit.confidence) / 2, dof))
+    half = t * s * math.sqrt(1 + float(xt @ np.linalg.pinv(x.T @ x) @ xt))
+    v0, lo0, hi0 = previous["value"], previous["low"], previous["high"]
+    value = v0 * (1 - gt)
+    low = value - math.hypot((1 - gt) * (v0 - lo0), v0 * half)
+    high = value + math.hypot((1 - gt) * (hi0 - v0), v0 * half)
+
+    def backtest(fit: np.ndarray) -> dict[str, Any]:
+        scored = ~fit
+        if not scored.any() or np.linalg.matrix_rank(x[fit]) < x.shape[1]:
+            return {"skipped": "too few rungs on the fitted side to fit three coefficients"}
+        b = np.linalg.lstsq(x[fit], g[fit], rcond=None)[0]
+        err = x[scored] @ b - g[scored]  # error in g = minus the relative error of L_k
+        return {"fit_runs": int(fit.sum()), "scored_runs": int(scored.sum()),
+                "mean_abs_error": float(np.abs(err).mean()), "mean_error": float(err.mean())}
+
+    branch = np.array([spec.points()[p][0].parent is not None
+                       for p, *_ in rows])
+    widest = x[:, 1] == x[:, 1].max()
+    return {"value": value,
+            "interval": {"low": low, "high": high, "confidence": spec.fit.confidence,
+                         "method": f"stage {k - 1}'s interval times (1 - g) and the gain's "
+                                   "Student-t prediction interval for one run, in quadrature"},
+            "fit": {"formula": "g = (L_prev - L_end) / L_prev = c0 + c1 ln N + c2 ln D",
+                    "coefficients": beta.tolist(), "residual_sd": s, "dof": dof, "runs": len(g)},
+            "gain": {"predicted": gt, "half_width": half, "previous_stage_value": v0},
+            "rung_backtests": {"branches_to_trunks": backtest(branch),
+                         "narrow_to_widest": backtest(~widest)}}
 
 
 def _curve_at_stage_end(pt: dict[str, Any], s1: float, curve: dict[str, Any],

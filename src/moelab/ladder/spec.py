@@ -69,6 +69,11 @@ class FitOptions:
     # are worth (moelab.ladder.curve.REPEAT_DECAY) in L(N, D)'s D and the curve law's S1;
     # "none" counts every token the same
     repetition: str = "muennighoff"
+    # true: the end of every stage after the first is the previous stage end's value times
+    # one minus the stage's relative loss gain, which every rung measures at the same
+    # fractions (linear in ln N and ln D; predict._stage_gain); it is then also the final
+    # prediction. false: each stage end by its own law (stage_law; the last by `law`)
+    stage_gain: bool = False
     # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
     # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
     metric: str = "loss"
@@ -284,6 +289,8 @@ def _fit_options(raw: Any) -> FitOptions:
         raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
     if options.stage_law is not None and options.stage_law not in laws:
         raise ConfigError(f"fit.stage_law: {options.stage_law!r} is not one of {list(laws)}")
+    if not isinstance(options.stage_gain, bool):
+        raise ConfigError(f"fit.stage_gain: must be true or false, got {options.stage_gain!r}")
     if options.repetition not in ("muennighoff", "none"):
         raise ConfigError(f"fit.repetition: {options.repetition!r} is not one of "
                           "['muennighoff', 'none']")
@@ -389,9 +396,12 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
                                               None, "target"), target_name)
     validate_compute(rungs, target)
     lr_runs = _lr_runs(raw.get("lr_check"), rungs)
+    fit = _fit_options(raw.get("fit"))
+    if fit.stage_gain and not build_plan(target.config).staged:
+        raise ConfigError("fit.stage_gain: the plan has one stage, so there is no stage gain "
+                          "to fit; add `stages:` to base, or drop stage_gain")
     return LadderSpec(name=name, out=Path(out or raw.get("out") or Path("runs/ladder") / name),
-                      rungs=rungs, target=target, fit=_fit_options(raw.get("fit")),
-                      lr_runs=lr_runs, evals=evals)
+                      rungs=rungs, target=target, fit=fit, lr_runs=lr_runs, evals=evals)
 
 
 # The ladder presets are the specs in the repository's configs/ladder/ (they name their
