@@ -361,6 +361,25 @@ def _stage_forecasts(spec: LadderSpec, results: list[RunResult], laws: dict[str,
     return out
 
 
+def stage_gain_rows(spec: LadderSpec, results: list[RunResult], k: int
+                    ) -> list[dict[str, Any]]:
+    """Per rung run: its loss at its own end of stage k-1 (`before`) and of stage k
+    (`after`), the relative gain between them, ln N, ln D (tokens by the end of stage k),
+    and whether it is a cooldown branch."""
+    by_name = {r.name: r for r in results}
+    rungs = {r.name: r for r in spec.rungs}
+    rows = []
+    for point, runs in spec.points().items():
+        ends = stage_ends(runs[0])
+        for r in runs:
+            before = _loss_at(by_name[r.name], rungs[r.name], ends[k - 1][2], by_name)
+            after = _loss_at(by_name[r.name], rungs[r.name], ends[k][2], by_name)
+            rows.append({"run": r.name, "point": point, "branch": r.parent is not None,
+                         "ln_n": math.log(r.active_params), "ln_d": math.log(ends[k][3]),
+                         "before": before, "after": after, "gain": (before - after) / before})
+    return rows
+
+
 def _stage_gain(spec: LadderSpec, results: list[RunResult], k: int,
                 previous: dict[str, Any]) -> dict[str, Any]:
     """The end of stage k (k >= 1) as the end of stage k-1 (its pre-registered value and
@@ -376,18 +395,9 @@ def _stage_gain(spec: LadderSpec, results: list[RunResult], k: int,
     (further in D), and fitted without the widest rung, predicting it (further in N)."""
     from scipy import stats
 
-    by_name = {r.name: r for r in results}
-    rungs = {r.name: r for r in spec.rungs}
-    rows = []  # (point, ln N, ln D, g) per run
-    for point, runs in spec.points().items():
-        ends = stage_ends(runs[0])
-        for r in runs:
-            before = _loss_at(by_name[r.name], rungs[r.name], ends[k - 1][2], by_name)
-            after = _loss_at(by_name[r.name], rungs[r.name], ends[k][2], by_name)
-            rows.append((point, math.log(r.active_params), math.log(ends[k][3]),
-                         (before - after) / before))
-    x = np.array([[1.0, n, d] for _, n, d, _ in rows])
-    g = np.array([row[3] for row in rows])
+    rows = stage_gain_rows(spec, results, k)
+    x = np.array([[1.0, row["ln_n"], row["ln_d"]] for row in rows])
+    g = np.array([row["gain"] for row in rows])
     dof = len(g) - x.shape[1]
     if dof < 1 or np.linalg.matrix_rank(x) < x.shape[1]:
         raise FitError(f"stage {k}: the stage's gain needs rungs at two or more widths and "
@@ -414,8 +424,7 @@ def _stage_gain(spec: LadderSpec, results: list[RunResult], k: int,
         return {"fit_runs": int(fit.sum()), "scored_runs": int(scored.sum()),
                 "mean_abs_error": float(np.abs(err).mean()), "mean_error": float(err.mean())}
 
-    branch = np.array([spec.points()[p][0].parent is not None
-                       for p, *_ in rows])
+    branch = np.array([row["branch"] for row in rows])
     widest = x[:, 1] == x[:, 1].max()
     return {"value": value,
             "interval": {"low": low, "high": high, "confidence": spec.fit.confidence,
