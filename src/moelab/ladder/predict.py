@@ -420,7 +420,7 @@ def _stage_gain(spec: LadderSpec, results: list[RunResult], k: int,
         if not scored.any() or np.linalg.matrix_rank(x[fit]) < x.shape[1]:
             return {"skipped": "too few rungs on the fitted side to fit three coefficients"}
         b = np.linalg.lstsq(x[fit], g[fit], rcond=None)[0]
-        err = x[scored] @ b - g[scored]  # error in g = minus the relative error of L_k
+        err = x[scored] @ b - g[scored]  # error in g ~ minus the relative error of L_k
         return {"fit_runs": int(fit.sum()), "scored_runs": int(scored.sum()),
                 "mean_abs_error": float(np.abs(err).mean()), "mean_error": float(err.mean())}
 
@@ -434,7 +434,7 @@ def _stage_gain(spec: LadderSpec, results: list[RunResult], k: int,
                     "coefficients": beta.tolist(), "residual_sd": s, "dof": dof, "runs": len(g)},
             "gain": {"predicted": gt, "half_width": half, "previous_stage_value": v0},
             "rung_backtests": {"branches_to_trunks": backtest(branch),
-                         "narrow_to_widest": backtest(~widest)}}
+                               "narrow_to_widest": backtest(~widest)}}
 
 
 def _curve_at_stage_end(pt: dict[str, Any], s1: float, curve: dict[str, Any],
