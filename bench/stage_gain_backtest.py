@@ -61,21 +61,23 @@ def score(rows: list[dict], relative: bool, terms: list[str], fit: np.ndarray) -
 
 def main() -> None:
     pairs = sys.argv[1:] or DEFAULT
+    ladders = {}  # each ladder's runs and its two splits, read once
+    for pair in pairs:
+        rows = ladder_rows(pair)
+        n = np.array([r["ln_n"] for r in rows])
+        ladders[Path(pair.split(":", 1)[1]).stem] = (rows, {
+            "branches_to_trunks": np.array([r["branch"] for r in rows]),
+            "narrow_to_widest": n < n.max()})
     table: dict[str, dict] = {}
     for relative in (False, True):
         for name, terms in TERMS.items():
             form = f"{'relative' if relative else 'absolute'} {name}"
             cells = {}
-            for pair in pairs:
-                rows = ladder_rows(pair)
-                stem = Path(pair.split(":", 1)[1]).stem
-                n = np.array([r["ln_n"] for r in rows])
-                splits = {"branches_to_trunks": np.array([r["branch"] for r in rows]),
-                          "narrow_to_widest": n < n.max()}
+            for stem, (rows, splits) in ladders.items():
                 for split, fit in splits.items():
                     err = score(rows, relative, terms, fit)
                     cells[f"{stem}:{split}"] = {"mean_abs": float(np.abs(err).mean()),
-                                                    "mean": float(err.mean())}
+                                                "mean": float(err.mean())}
             table[form] = {"cells": cells, "mean_abs": float(np.mean(
                 [c["mean_abs"] for c in cells.values()]))}
     best = min(table, key=lambda f: table[f]["mean_abs"])
@@ -83,7 +85,7 @@ def main() -> None:
         cells = "  ".join(f"{c['mean_abs']:.2%}" for c in entry["cells"].values())
         print(f"{form:22s} mean |error| {entry['mean_abs']:.3%}   ({cells})")
     print(f"best: {best}")
-    out = {"ladders": [Path(p.split(":", 1)[1]).name for p in pairs], "forms": table, "best": best,
+    out = {"ladders": [f"{stem}.json" for stem in ladders], "forms": table, "best": best,
            "score": "relative error of the end-of-run loss given the measured loss at the "
                     "switch; mean |error| over every ladder and split"}
     OUT.write_text(json.dumps(out, indent=1) + "\n")

@@ -322,15 +322,13 @@ def _stage_forecasts(spec: LadderSpec, results: list[RunResult], laws: dict[str,
     of that end. The last stage's end is the final loss: the laws above. The value is
     fit.law's, as for the final prediction; the others are reported beside it."""
     by_name = {r.name: r for r in results}
-    rungs = {r.name: r for r in spec.rungs}
     curve_at = {pt["step"]: pt for pt in laws["curve"].get("points", [])}
     out = []
     for index, name, end, tokens in stage_ends(spec.target)[:-1]:
         rows = []
         for point, runs in spec.points().items():
             first_end = stage_ends(runs[0])[index]
-            losses = [_loss_at(by_name[r.name], rungs[r.name], first_end[2], by_name)
-                      for r in runs]
+            losses = [_loss_at(by_name[r.name], r, first_end[2], by_name) for r in runs]
             rows.append({"point": point, "losses": losses, "mean": float(np.mean(losses)),
                          "active_params": runs[0].active_params, "tokens": first_end[3],
                          "compute": flops_per_token(runs[0].config) * first_end[3]})
@@ -367,13 +365,12 @@ def stage_gain_rows(spec: LadderSpec, results: list[RunResult], k: int
     (`after`), the relative gain between them, ln N, ln D (tokens by the end of stage k),
     and whether it is a cooldown branch."""
     by_name = {r.name: r for r in results}
-    rungs = {r.name: r for r in spec.rungs}
     rows = []
     for point, runs in spec.points().items():
         ends = stage_ends(runs[0])
         for r in runs:
-            before = _loss_at(by_name[r.name], rungs[r.name], ends[k - 1][2], by_name)
-            after = _loss_at(by_name[r.name], rungs[r.name], ends[k][2], by_name)
+            before = _loss_at(by_name[r.name], r, ends[k - 1][2], by_name)
+            after = _loss_at(by_name[r.name], r, ends[k][2], by_name)
             rows.append({"run": r.name, "point": point, "branch": r.parent is not None,
                          "ln_n": math.log(r.active_params), "ln_d": math.log(ends[k][3]),
                          "before": before, "after": after, "gain": (before - after) / before})
