@@ -213,12 +213,19 @@ def wait_all(ray, jobs: Sequence[Job], refs: dict[str, Any], stall_timeout_s: fl
 
 
 def _cancel(ray, names: dict[Any, str], results: dict[str, Any]) -> None:
-    for ref, name in names.items():
-        if name not in results:
-            try:
-                ray.cancel(ref, force=True)
-            except Exception:  # noqa: BLE001 (already finished or gone: nothing to cancel)
-                pass
+    """Force-cancel the runs still going. A run that has already finished (its result
+    ready, not yet collected) is left alone: force-cancelling a task whose reply was in
+    flight crashed Ray 2.60.0's driver once in CI (a failed check in task_manager.cc's
+    CompletePendingTask), and the ladder exited 1 instead of with the run's own error."""
+    pending = [ref for ref, name in names.items() if name not in results]
+    if not pending:
+        return
+    _, running = ray.wait(pending, num_returns=len(pending), timeout=0)
+    for ref in running:
+        try:
+            ray.cancel(ref, force=True)
+        except Exception:  # noqa: BLE001 (finished or gone meanwhile: nothing to cancel)
+            pass
 
 
 def _last_line(err: Exception) -> str:
