@@ -9,6 +9,11 @@
    matmul peak (a 2048^2 jnp.dot timed in this same run), not a nominal figure.
 3. Bytes of parameters + optimizer state held by one device on 8 fake CPU devices, fsdp 1
    vs fsdp 8 (a subprocess, since the device count is fixed when jax starts).
+4. What `keep_freed_memory` (moelab/train/memory.py, applied by the trainer) is worth: the
+   tiny preset's throughput and minor page faults per step in fresh processes with glibc's
+   default malloc and with the setting, alternating, 3 of each (a process-wide setting
+   cannot be switched off inside one process). Parts 1 and 2 run with it, as `moelab
+   train` does.
 
 The load average is recorded before and after; on a busy machine (above 0.5 per core) the
 run refuses to write results unless given --force, since timings would be distorted.
@@ -21,6 +26,8 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +40,7 @@ from machine import describe, load_per_core, matmul_peak, refuse_if_busy, settle
 from moelab.config import Config, load_config, replace
 from moelab.model import Transformer
 from moelab.train.cli import config_path
+from moelab.train.memory import keep_freed_memory
 from moelab.train.metrics import flops_per_token
 from moelab.train.optimizer import make_optimizer, trainable
 from moelab.train.step import make_train_step
@@ -60,14 +68,33 @@ def throughput(cfg: Config, steps: int) -> dict:
     model, opt_state, batch, step = setup(cfg)
     model, opt_state, parts = step(model, opt_state, batch)  # compile
     jax.block_until_ready(parts)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = time.perf_counter()
     for _ in range(steps):
         model, opt_state, parts = step(model, opt_state, batch)
     jax.block_until_ready((model, opt_state, parts))
     seconds = (time.perf_counter() - t) / steps
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
     tokens_per_s = cfg.data.batch_size * cfg.data.seq_len / seconds
     return {"step_ms": 1e3 * seconds, "tokens_per_s": tokens_per_s,
-            "flops_per_s": tokens_per_s * flops_per_token(cfg)}
+            "flops_per_s": tokens_per_s * flops_per_token(cfg), "minor_faults_per_step": faults}
+
+
+def malloc_compare(steps: int, rounds: int = 3) -> dict:
+    """The tiny preset's throughput in fresh processes, glibc's default malloc vs
+    `keep_freed_memory`, alternating (this file with --throughput-only MODE)."""
+    runs: dict[str, list[dict]] = {"default": [], "kept": []}
+    for _ in range(rounds):
+        for mode in runs:
+            done = subprocess.run([sys.executable, __file__, "--throughput-only", mode,
+                                   "--steps", str(steps)], capture_output=True, text=True,
+                                  check=True)
+            runs[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"malloc {mode:8s} {runs[mode][-1]['tokens_per_s']:8.0f} tokens/s, "
+                  f"{runs[mode][-1]['minor_faults_per_step']:7.0f} minor faults a step", flush=True)
+    median = {m: statistics.median(r["tokens_per_s"] for r in v) for m, v in runs.items()}
+    return {"runs": runs, "median_tokens_per_s": median,
+            "speed_kept_over_default": median["kept"] / median["default"]}
 
 
 def fsdp_bytes() -> dict:
@@ -101,9 +128,16 @@ def main() -> None:
     parser.add_argument("--force", action="store_true",
                         help="write results even if the machine is busy")
     parser.add_argument("--fsdp-bytes", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--throughput-only", choices=("default", "kept"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fsdp_bytes:
         return measure_fsdp_bytes()
+    if args.throughput_only:
+        applied = args.throughput_only == "kept" and keep_freed_memory()
+        print(json.dumps({**throughput(load_config(config_path("tiny")), args.steps),
+                          "keep_freed_memory": applied}))
+        return None
+    keep_freed_memory()  # as the trainer does, before this process's first computation
     load_before, waited = settle()
     tiny = load_config(config_path("tiny"))
     compile_s = {}
@@ -113,9 +147,13 @@ def main() -> None:
             name = f"{'scan' if scan else 'unrolled'}/{layers}"
             compile_s[name] = compile_seconds(cfg)
             print(f"compile {name:12s} {compile_s[name]:6.1f} s", flush=True)
+    malloc = malloc_compare(args.steps)
     peak = matmul_peak()
     speed = throughput(tiny, args.steps)
     speed["mfu_vs_measured_matmul_peak"] = speed["flops_per_s"] / peak
+    for mode, tokens_per_s in malloc["median_tokens_per_s"].items():  # fresh processes
+        malloc.setdefault("mfu_vs_measured_matmul_peak", {})[mode] = (
+            tokens_per_s * flops_per_token(tiny) / peak)
     memory = fsdp_bytes()
     load_after = load_per_core()
     result = {
@@ -126,6 +164,7 @@ def main() -> None:
         "tiny_preset": speed,
         "param_opt_bytes_per_device": memory,
         "fsdp8_over_fsdp1": memory["fsdp8"] / memory["fsdp1"],
+        "keep_freed_memory": malloc,
         "machine": describe(load_before, load_after, waited),
     }
     print(json.dumps(result, indent=2))

@@ -1,6 +1,10 @@
 """Trainer parts in-process: spike detector, LR schedules, accumulation, FLOPs count."""
 
 import dataclasses
+import json
+import platform
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -155,3 +159,33 @@ def test_flops_count_only_active_experts():
     assert active_params(cfg) == attn + routed + 8 * 100
     assert total_params(cfg) == active_params(cfg) + 3 * 3 * 8 * 4 + 100 * 8
     assert flops_per_token(cfg) == 6 * active_params(cfg) + 12 * 1 * 2 * 4 * 10
+
+
+# Run in a fresh interpreter: the trainer applies the setting process-wide, so this
+# process may already have it.
+FAULTS_SCRIPT = """
+import resource, sys
+import numpy as np
+from moelab.train.memory import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = np.ones(64 << 18, np.float32)  # 64 MiB, every page written
+    del block
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults)
+"""
+
+
+@pytest.mark.skipif(not platform.libc_ver()[0] == "glibc", reason="mallopt is glibc's")
+def test_a_training_process_reuses_freed_pages_instead_of_faulting_them_in_again():
+    run = lambda mode: json.loads(subprocess.run(
+        [sys.executable, "-c", FAULTS_SCRIPT, mode], capture_output=True, text=True,
+        check=True).stdout)
+    kept = run("keep")
+    # 64 MiB is 16,384 pages of 4 KiB: once the first block's pages are in the heap, the
+    # later ones reuse them; allow 1% for the interpreter's own small allocations
+    assert kept[0] > 0 and max(kept[1:]) < 164, kept
+    assert min(run("default")[1:]) > 0  # without it each block is mapped and faulted anew

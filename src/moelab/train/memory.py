@@ -11,6 +11,7 @@ A config above it certainly fails; one below it may still be tight.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import jax
@@ -58,3 +59,33 @@ def check_fits(cfg: Config) -> None:
             f"({m.d_ff}), model.n_layers ({m.n_layers}), model.vocab_size ({m.vocab_size}), "
             f"moe.n_experts ({cfg.moe.n_experts}) or data.batch_size x data.seq_len, "
             "or raise optim.grad_accum")
+
+
+# glibc's mallopt parameters (malloc.h) and the size below which freed memory is kept
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+KEEP_FREED_BELOW = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Make this process's malloc keep the memory a train step frees, for the next step.
+
+    XLA:CPU allocates each step's intermediates afresh and frees them at its end, mostly
+    from its thread pool's threads. glibc gives such threads arenas of their own, whose
+    heaps are unmapped once empty, and serves blocks above its mmap threshold (at most
+    32 MiB by default) with mappings unmapped on free: every step faults its buffers in
+    page by page again (measured: ~34,000 minor faults per step of the tiny preset). With
+    one arena for all threads, blocks below 1 GiB served from the heap and the heap not
+    trimmed, the pages stay mapped (~1,600 faults per step) and the tiny preset trains
+    1.12x faster (`bench/train_step.py`, default vs kept side by side). The process's
+    resident memory stays at its peak, which a training process reaches every step
+    anyway. Call it before the process's first JAX computation: a thread keeps the arena
+    it first allocated from. Returns whether it applied (glibc only; elsewhere a no-op).
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, TypeError):
+        return False
+    arena_ok = mallopt(_M_ARENA_MAX, 1)
+    mmap_ok = mallopt(_M_MMAP_THRESHOLD, KEEP_FREED_BELOW)
+    trim_ok = mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BELOW)
+    return bool(arena_ok and mmap_ok and trim_ok)

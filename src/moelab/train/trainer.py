@@ -38,7 +38,7 @@ from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
-from moelab.train.memory import check_fits
+from moelab.train.memory import check_fits, keep_freed_memory
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
 from moelab.train.plan import Stage, build_plan, check_sources, stage_config
@@ -531,6 +531,7 @@ def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
         if experiment and match_experiment:
             check_snapshot(run_dir, experiment, config_to_dict(cfg), allow_config_change)
         prepared_data(cfg)
+        keep_freed_memory()  # each step reuses the last one's pages (train/memory.py)
         with RunDirLock(run_dir), StopRequest() as stop:
             return Trainer(cfg, run_dir, experiment, allow_config_change, stop,
                            match_experiment, evaluator, parent).run()
