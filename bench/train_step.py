@@ -151,9 +151,9 @@ def main() -> None:
     peak = matmul_peak()
     speed = throughput(tiny, args.steps)
     speed["mfu_vs_measured_matmul_peak"] = speed["flops_per_s"] / peak
-    for mode, tokens_per_s in malloc["median_tokens_per_s"].items():  # fresh processes
-        malloc.setdefault("mfu_vs_measured_matmul_peak", {})[mode] = (
-            tokens_per_s * flops_per_token(tiny) / peak)
+    malloc["mfu_vs_measured_matmul_peak"] = {  # of the fresh processes' medians
+        mode: tokens_per_s * flops_per_token(tiny) / peak
+        for mode, tokens_per_s in malloc["median_tokens_per_s"].items()}
     memory = fsdp_bytes()
     load_after = load_per_core()
     result = {
