@@ -6,7 +6,9 @@ One `MoE` layer (router, top-k routing, dispatch, experts) with the same weights
 input in every mode; each rep computes its output, a scalar loss sum(y * g), and the
 gradients of every layer weight and of the input, under jit. Modes:
   capacity  capacity per sequence (capacity_factor 1.25), pooled  one pool per batch,
-  dropless  sorted rows, blocked matmuls (the CPU kernel), and dropless ragged_dot,
+  dropless  sorted rows, blocked matmuls (the CPU kernel), dropless_slab (each expert's
+            balanced share of rows as one batched matmul, the rest blocked), and
+            dropless ragged_dot,
   dense     the baseline: every expert on every token, outputs masked by the routing
             weights (0 for unchosen experts) and summed: E/top_k times the FLOPs.
   swiglu_equal_active_flops  the limit: one dense SwiGLU of hidden width top_k * d_ff on
@@ -83,6 +85,7 @@ MODES = {  # name -> (MoEConfig changes, dispatch override)
     "capacity": ({"dispatch": "capacity", "capacity_factor": 1.25}, None),
     "pooled": ({"dispatch": "pooled", "capacity_factor": 1.25}, None),
     "dropless": ({"dispatch": "dropless", "dropless_impl": "blocked"}, None),
+    "dropless_slab": ({"dispatch": "dropless", "dropless_impl": "slab"}, None),
     "dropless_ragged_dot": ({"dispatch": "dropless", "dropless_impl": "ragged"}, None),
     "dense": ({"dispatch": "dropless"}, dense_dispatch),
     "swiglu_equal_active_flops": ({"dispatch": "dropless"}, swiglu_dispatch),

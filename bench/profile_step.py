@@ -1,6 +1,6 @@
 """Where the train step's time goes: XLA's own per-op profile, grouped by model part.
 
-    python3 bench/profile_step.py [--steps 5] [--label NAME] [--force]
+    python3 bench/profile_step.py [--steps 5] [--label NAME] [--set KEY=VALUE ...] [--force]
 
 Two programs are profiled with `jax.profiler.trace`: the tiny preset's whole train step
 (forward, backward, AdamW) and one MoE decoder block's forward + backward at the shape of
@@ -15,7 +15,11 @@ the figure to read, not absolute milliseconds; the step time beside them is meas
 without the profiler, in the same run.
 
 Results: bench/results/profile_step.json, one entry per --label (e.g. "before", "after"),
-so a change is shown as two tables measured with the same script.
+so a change is shown as two tables measured with the same script. `--set` changes the
+tiny preset (dotted keys, YAML values: `--set model.scan_layers=true`), so an earlier
+form of it can be profiled beside the current one. The process keeps freed memory
+(`moelab.train.memory.keep_freed_memory`), as `moelab train` does; the entries labelled
+"before" and "after" were written before it did.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import yaml
 from machine import describe, load_per_core, matmul_peak, settle  # bench/machine.py
 
 from moelab.config import Config, ModelConfig, MoEConfig, load_config
+from moelab.train.memory import keep_freed_memory
 from moelab.model import Transformer
 from moelab.train.cli import config_path
 from moelab.train.metrics import flops_per_token
@@ -197,18 +203,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="profiled calls of each program")
     parser.add_argument("--label", default="current", help="name of this table in the JSON")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="change a field of the tiny preset (repeatable)")
     parser.add_argument("--force", action="store_true", help="write results on a busy machine")
     parser.add_argument("--settle", type=float, default=300.0, metavar="SECONDS",
                         help="wait at most this long for the machine to be quiet")
     args = parser.parse_args()
+    keep_freed_memory()  # as the trainer does, before this process's first computation
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r}: write KEY=VALUE, e.g. model.scan_layers=true")
+        overrides[key] = yaml.safe_load(value)
     before, waited = settle(args.settle)
-    tiny = load_config(config_path("tiny"))
+    tiny = load_config(config_path("tiny"), overrides)
     step, step_args = train_step_program(tiny)
     block, block_args = block_program()
     peak = matmul_peak()
     step_s = timed(step, step_args, 10)
     tokens = tiny.data.batch_size * tiny.data.seq_len
     result = {
+        "tiny_preset_changes": overrides,
+        "keep_freed_memory": True,
         "train_step_tiny": {
             "step_ms_without_profiler": round(1e3 * step_s, 2),
             "tokens_per_s": round(tokens / step_s),

@@ -12,8 +12,13 @@
 4. What `keep_freed_memory` (moelab/train/memory.py, applied by the trainer) is worth: the
    tiny preset's throughput and minor page faults per step in fresh processes with glibc's
    default malloc and with the setting, alternating, 3 of each (a process-wide setting
-   cannot be switched off inside one process). Parts 1 and 2 run with it, as `moelab
+   cannot be switched off inside one process). Parts 1, 2 and 5 run with it, as `moelab
    train` does.
+5. The tiny preset against its earlier form, side by side in this process: layers scanned
+   and the blocked expert kernel (before 2026-12-05), layers unrolled, and the preset
+   (unrolled, the slab kernel). `--rounds` rounds of `--steps / 4` steps of each,
+   alternating, with two 2048^2 matmuls timed in every round; per form the median step
+   time, and the MFU as the median over rounds of each round's against that round's peak.
 
 The load average is recorded before and after; on a busy machine (above 0.5 per core) the
 run refuses to write results unless given --force, since timings would be distorted.
@@ -35,7 +40,8 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-from machine import describe, load_per_core, matmul_peak, refuse_if_busy, settle  # bench/machine.py
+from machine import (describe, load_per_core, matmul_peak, matmul_timer,  # bench/machine.py
+                     refuse_if_busy, settle)
 
 from moelab.config import Config, load_config, replace
 from moelab.model import Transformer
@@ -97,6 +103,52 @@ def malloc_compare(steps: int, rounds: int = 3) -> dict:
             "speed_kept_over_default": median["kept"] / median["default"]}
 
 
+FORMS = {  # name -> model / moe changes to the tiny preset
+    "scanned_blocked": {"model": {"scan_layers": True}, "moe": {"dropless_impl": "blocked"}},
+    "unrolled_blocked": {"model": {"scan_layers": False}, "moe": {"dropless_impl": "blocked"}},
+    "preset": {},
+}
+
+
+def forms_compare(cfg: Config, steps: int, rounds: int) -> dict:
+    """Step time and MFU of the FORMS of `cfg`, rounds alternating."""
+    forms = {name: list(setup(replace(cfg, **changes))) for name, changes in FORMS.items()}
+    for state in forms.values():  # compile and warm up
+        model, opt_state, batch, step = state
+        state[0], state[1], parts = step(model, opt_state, batch)
+        jax.block_until_ready(parts)
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    peak_rate, peaks = matmul_timer(), []
+    for _ in range(rounds):
+        peaks += [peak_rate(), peak_rate()]
+        for name, state in forms.items():
+            model, opt_state, batch, step = state
+            t = time.perf_counter()
+            for _ in range(steps):
+                model, opt_state, parts = step(model, opt_state, batch)
+            jax.block_until_ready((model, opt_state, parts))
+            times[name].append((time.perf_counter() - t) / steps)
+            state[0], state[1] = model, opt_state
+    median = {name: statistics.median(t) for name, t in times.items()}
+    # each round's MFU against the peak timed in that round (the machine's speed drifts by
+    # several % within a minute, and a round's steps and matmuls see the same drift)
+    flops_per_step = cfg.data.batch_size * cfg.data.seq_len * flops_per_token(cfg)
+    round_peak = [statistics.mean(peaks[2 * r:2 * r + 2]) for r in range(rounds)]
+    mfu = {name: statistics.median(flops_per_step / t / p for t, p in zip(v, round_peak))
+           for name, v in times.items()}
+    for name in forms:
+        print(f"{name:17s} {1e3 * median[name]:6.1f} ms a step, MFU {mfu[name]:.1%} (median "
+              f"of {rounds} rounds)", flush=True)
+    print(f"median matmul peak between them {statistics.median(peaks) / 1e9:.0f} GFLOP/s")
+    return {"forms": FORMS, "steps_per_round": steps, "rounds": rounds,
+            "step_ms": {name: [round(1e3 * t, 2) for t in v] for name, v in times.items()},
+            "median_step_ms": {name: round(1e3 * t, 2) for name, t in median.items()},
+            "speed_over_scanned_blocked": {name: median["scanned_blocked"] / t
+                                           for name, t in median.items()},
+            "matmul_peak_flops_per_s": {"median": statistics.median(peaks), "each": peaks},
+            "mfu_vs_peak_of_same_round": mfu}
+
+
 def fsdp_bytes() -> dict:
     """Run this file with --fsdp-bytes on 8 fake devices; parse its JSON line."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
@@ -125,6 +177,8 @@ def measure_fsdp_bytes() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="timed steps (default 40)")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="alternating rounds of scanned vs unrolled layers (default 8)")
     parser.add_argument("--force", action="store_true",
                         help="write results even if the machine is busy")
     parser.add_argument("--fsdp-bytes", action="store_true", help=argparse.SUPPRESS)
@@ -148,6 +202,7 @@ def main() -> None:
             compile_s[name] = compile_seconds(cfg)
             print(f"compile {name:12s} {compile_s[name]:6.1f} s", flush=True)
     malloc = malloc_compare(args.steps)
+    forms = forms_compare(tiny, max(args.steps // 4, 1), args.rounds)
     peak = matmul_peak()
     speed = throughput(tiny, args.steps)
     speed["mfu_vs_measured_matmul_peak"] = speed["flops_per_s"] / peak
@@ -165,6 +220,7 @@ def main() -> None:
         "param_opt_bytes_per_device": memory,
         "fsdp8_over_fsdp1": memory["fsdp8"] / memory["fsdp1"],
         "keep_freed_memory": malloc,
+        "tiny_preset_vs_earlier_forms": forms,
         "machine": describe(load_before, load_after, waited),
     }
     print(json.dumps(result, indent=2))

@@ -112,8 +112,9 @@ class MoEConfig:
     # ceil(send_capacity_factor * local_tokens * top_k / expert_shards) rows to each peer,
     send_capacity_factor: float = 1.25
     waves: int = 1  # ... in this many all_to_all rounds (less peak memory, same numbers)
-    # dropless: "auto" picks ragged_dot on GPU/TPU and padded block matmuls on CPU
-    dropless_impl: Literal["auto", "ragged", "blocked"] = "auto"
+    # dropless: "auto" picks ragged_dot on GPU/TPU and block matmuls on CPU; "slab" runs
+    # each expert's balanced share of rows as one batched matmul, the rest in blocks
+    dropless_impl: Literal["auto", "ragged", "blocked", "slab"] = "auto"
     block_size: int = 64  # rows per block of the CPU dropless path
     # debug, for measurements: position s of each sequence goes to experts (s*K + j) mod E
     # with weights 1/K (perfect balance); the router weights stay but get no gradient

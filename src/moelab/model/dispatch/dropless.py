@@ -7,6 +7,10 @@ Two kernels compute the same numbers:
   * `blocked`: `moelab.model.dispatch.grouped.grouped_swiglu`, each expert's run of sorted
     rows in chunks of 4 * `block_size` rows, then `block_size` rows for the tail, as
     plain 2-D matmuls in a loop with data-dependent trip counts.
+  * `slab`: `moelab.model.dispatch.grouped.slab_swiglu`, every expert's first
+    ceil(rows / experts) rows (rounded up to 8) as one batched matmul of static shape and
+    the rows past that through the blocked loop: faster than `blocked` where the experts
+    are narrow and their matmuls small (measured in bench/moe_layer.py).
 `auto` picks ragged on GPU/TPU and blocked on CPU. Rows move by permutations whose
 backward pass is the inverse permutation (a gather), never a scatter-add.
 """
@@ -23,7 +27,8 @@ from jaxtyping import Array, Float, Int
 from moelab.config import MoEConfig
 from moelab.model.dispatch.drops import Drops
 from moelab.model.dispatch.experts import Experts
-from moelab.model.dispatch.grouped import grouped_swiglu, inverse_permutation, permute_rows
+from moelab.model.dispatch.grouped import (grouped_swiglu, inverse_permutation, permute_rows,
+                                           slab_swiglu)
 from moelab.model.router import Routing
 
 
@@ -59,8 +64,9 @@ def use_ragged(moe: MoEConfig) -> bool:
 def grouped_experts(rows: Array, s: Sorted, experts: Experts, moe: MoEConfig) -> Array:
     if use_ragged(moe):
         return ragged_experts(rows, s, experts)
-    return grouped_swiglu(rows, s.group_sizes, experts.w_gate, experts.w_up, experts.w_down,
-                          moe.block_size)
+    kernel = slab_swiglu if moe.dropless_impl == "slab" else grouped_swiglu
+    return kernel(rows, s.group_sizes, experts.w_gate, experts.w_up, experts.w_down,
+                  moe.block_size)
 
 
 SortedCompute = Callable[[Float[Array, "A D"], Sorted], Float[Array, "A D"]]

@@ -62,11 +62,17 @@ def inverse_permutation(index: Int[Array, " N"]) -> Int[Array, " N"]:
 
 def _for_each_chunk(group_sizes: Int[Array, " E"], block: int, body: ChunkBody, carry):
     """Run `body` over the chunks of every expert's run of rows (see the module doc)."""
-    big = 4 * block
     end = jnp.cumsum(group_sizes)
-    start = end - group_sizes
-    n_big = group_sizes // big
-    n_small = -(-(group_sizes - n_big * big) // block)
+    return _for_each_run_chunk(end - group_sizes, group_sizes, block, body, carry)
+
+
+def _for_each_run_chunk(start: Int[Array, " E"], count: Int[Array, " E"], block: int,
+                        body: ChunkBody, carry):
+    """`body` over the chunks of rows [start[e], start[e] + count[e]) of every expert e."""
+    big = 4 * block
+    end = start + count
+    n_big = count // big
+    n_small = -(-(count - n_big * big) // block)
 
     def expert(e, carry):
         first, last = start[e], end[e]
@@ -85,7 +91,7 @@ def _for_each_chunk(group_sizes: Int[Array, " E"], block: int, body: ChunkBody, 
         carry = jax.lax.fori_loop(0, n_big[e], big_chunk, carry)
         return jax.lax.fori_loop(0, n_small[e], small_chunk, carry)
 
-    return jax.lax.fori_loop(0, group_sizes.shape[0], expert, carry)
+    return jax.lax.fori_loop(0, count.shape[0], expert, carry)
 
 
 def _rows(x: Array, read: Array, n: int) -> Array:
@@ -155,15 +161,10 @@ def _backward(block, res, dy):
         dys = _rows(dy, read, size)
         if owned is not None:
             dys = jnp.where(owned, dys, 0)  # rows owned elsewhere add nothing
-        sig = jax.nn.sigmoid(g)
-        silu = g * sig
-        dh = dys @ w_down[e].T
-        du = dh * silu
-        dg = dh * u * sig * (1 + g * (1 - sig))  # d silu(g) / dg
+        dxs, dwg, dwu, dwd = _swiglu_grads(xs, g, u, dys, w_gate[e], w_up[e], w_down[e])
         acc = lambda w, grad: w.at[e].add(grad.astype(w.dtype))
-        dw_down = acc(dw_down, (silu * u).T @ dys)
-        dw_gate, dw_up = acc(dw_gate, xs.T @ dg), acc(dw_up, xs.T @ du)
-        dxs = dg @ w_gate[e].T + du @ w_up[e].T
+        dw_down = acc(dw_down, dwd)
+        dw_gate, dw_up = acc(dw_gate, dwg), acc(dw_up, dwu)
         return _write(dx, dxs, read, owned), dw_gate, dw_up, dw_down
 
     f32 = lambda w: jnp.zeros(w.shape, jnp.float32)  # accumulate weight grads in float32
@@ -174,3 +175,120 @@ def _backward(block, res, dy):
 
 
 grouped_swiglu.defvjp(lambda *a: _forward(*a), _backward)
+
+
+def _swiglu_grads(x, g, u, dy, w_gate, w_up, w_down):
+    """Gradients of rows through silu(x @ w_gate) * (x @ w_up) @ w_down, given the gate g,
+    up u and output gradient dy: (dx, dw_gate, dw_up, dw_down). 2-D arrays, or batched
+    over a leading expert axis."""
+    t = lambda a: jnp.swapaxes(a, -1, -2)
+    sig = jax.nn.sigmoid(g)
+    silu = g * sig
+    dh = dy @ t(w_down)
+    du = dh * silu
+    dg = dh * u * sig * (1 + g * (1 - sig))  # d silu(g) / dg
+    return dg @ t(w_gate) + du @ t(w_up), t(x) @ dg, t(x) @ du, t(silu * u) @ dy
+
+
+# ---------------------------------------------------------------------- slab
+
+
+def slab_capacity(n_rows: int, n_experts: int) -> int:
+    """Rows per expert in the slab: the balanced share, rounded up to a multiple of 8."""
+    return 8 * -(-n_rows // (8 * n_experts))
+
+
+def _slab_layout(group_sizes: Int[Array, " E"], n: int, cap: int):
+    """Where the slab's rows come from and where each sorted row's output lies.
+
+    src[e, c]: the sorted row in slot c of expert e (n, out of range, for an empty slot);
+    slot[i]: sorted row i's slot in the flattened slab (E * cap, out of range, for a row
+    past its expert's first cap); and each expert's rows past the slab: their first row
+    and count, for the blocked loop.
+    """
+    n_experts = group_sizes.shape[0]
+    end = jnp.cumsum(group_sizes)
+    start = end - group_sizes
+    c = jnp.arange(cap)
+    src = jnp.where(c[None] < group_sizes[:, None], start[:, None] + c[None], n)
+    expert = jnp.repeat(jnp.arange(n_experts), group_sizes, total_repeat_length=n)
+    pos = jnp.arange(n) - start[expert]
+    slot = jnp.where(pos < cap, expert * cap + pos, n_experts * cap)
+    in_slab = jnp.minimum(group_sizes, cap)
+    return src, slot, start + in_slab, group_sizes - in_slab
+
+
+def _take(x: Array, index: Array) -> Array:
+    """x[index] along axis 0, zero rows where the index is out of range."""
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def slab_swiglu(
+    rows: Float[Array, "A D"],
+    group_sizes: Int[Array, " E"],
+    w_gate: Float[Array, "E D F"],
+    w_up: Float[Array, "E D F"],
+    w_down: Float[Array, "E F D"],
+    block: int,
+) -> Float[Array, "A D"]:
+    """`grouped_swiglu`'s result, computed as a slab: every expert's first
+    `slab_capacity` rows gathered into one [E, cap, D] batch of static shape and run as
+    batched matmuls (empty slots are zero rows, which add nothing), and the rows past an
+    expert's cap through the blocked loop. Nothing is dropped. Balanced routing leaves
+    few rows past the cap, and the batch replaces the loop's many small matmuls, which
+    cost most where the experts are narrow; with every row on one expert, the slab's
+    empty slots double the work."""
+    return _slab_forward(rows, group_sizes, w_gate, w_up, w_down, block)[0]
+
+
+def _slab_forward(rows, group_sizes, w_gate, w_up, w_down, block):
+    n, d = rows.shape
+    n_experts = w_gate.shape[0]
+    cap = slab_capacity(n, n_experts)
+    src, slot, first, over = _slab_layout(group_sizes, n, cap)
+    xs = _take(rows, src)  # [E, cap, D]
+    g, u = xs @ w_gate, xs @ w_up
+    out = (jax.nn.silu(g) * u) @ w_down
+    pad = max(4 * block - n, 0)  # the loop's chunk reads stay in bounds
+    x = _pad(rows, pad) if pad else rows
+    y = _take(out.reshape(-1, d), slot)  # rows past the cap are zero here
+    y = _pad(y, pad) if pad else y
+
+    def chunk(y, e, read, lo, hi, size):
+        xr = _rows(x, read, size)
+        o = (jax.nn.silu(xr @ w_gate[e]) * (xr @ w_up[e])) @ w_down[e]
+        return _write(y, o, read, _owned(read, lo, hi, size))
+
+    y = _for_each_run_chunk(first, over, block, chunk, y)
+    return y[:n], (x, xs, g, u, src, slot, first, over, w_gate, w_up, w_down)
+
+
+def _slab_backward(block, res, dy):
+    x, xs, g, u, src, slot, first, over, w_gate, w_up, w_down = res
+    n, d = dy.shape
+    dxs, *dw = _swiglu_grads(xs, g, u, _take(dy, src), w_gate, w_up, w_down)
+    dw_gate, dw_up, dw_down = (grad.astype(jnp.float32) for grad in dw)  # as the loop's
+    dx = _take(dxs.reshape(-1, d), slot)
+    pad = x.shape[0] - n
+    dx, dy = (_pad(dx, pad), _pad(dy, pad)) if pad else (dx, dy)
+
+    def chunk(carry, e, read, lo, hi, size):  # the rows past the cap: gate, up recomputed
+        dx, dw_gate, dw_up, dw_down = carry
+        owned = _owned(read, lo, hi, size)
+        xr, dyr = _rows(x, read, size), _rows(dy, read, size)
+        if owned is not None:
+            dyr = jnp.where(owned, dyr, 0)
+        gr, ur = xr @ w_gate[e], xr @ w_up[e]
+        dxr, dwg, dwu, dwd = _swiglu_grads(xr, gr, ur, dyr, w_gate[e], w_up[e], w_down[e])
+        dw_gate, dw_up, dw_down = (w.at[e].add(grad.astype(w.dtype)) for w, grad in
+                                   ((dw_gate, dwg), (dw_up, dwu), (dw_down, dwd)))
+        return _write(dx, dxr, read, owned), dw_gate, dw_up, dw_down
+
+    dx, dw_gate, dw_up, dw_down = _for_each_run_chunk(first, over, block, chunk,
+                                                      (dx, dw_gate, dw_up, dw_down))
+    cast = lambda grad, w: grad.astype(w.dtype)
+    return (dx[:n], None, cast(dw_gate, w_gate), cast(dw_up, w_up), cast(dw_down, w_down))
+
+
+slab_swiglu.defvjp(lambda *a: _slab_forward(*a), _slab_backward)
