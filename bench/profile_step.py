@@ -40,9 +40,9 @@ import yaml
 from machine import describe, load_per_core, matmul_peak, settle  # bench/machine.py
 
 from moelab.config import Config, ModelConfig, MoEConfig, load_config
-from moelab.train.memory import keep_freed_memory
 from moelab.model import Transformer
 from moelab.train.cli import config_path
+from moelab.train.memory import keep_freed_memory
 from moelab.train.metrics import flops_per_token
 from moelab.train.optimizer import make_optimizer, trainable
 from moelab.train.step import make_train_step

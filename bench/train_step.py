@@ -40,8 +40,14 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-from machine import (describe, load_per_core, matmul_peak, matmul_timer,  # bench/machine.py
-                     refuse_if_busy, settle)
+from machine import (  # bench/machine.py
+    describe,
+    load_per_core,
+    matmul_peak,
+    matmul_timer,
+    refuse_if_busy,
+    settle,
+)
 
 from moelab.config import Config, load_config, replace
 from moelab.model import Transformer
@@ -134,7 +140,8 @@ def forms_compare(cfg: Config, steps: int, rounds: int) -> dict:
     # several % within a minute, and a round's steps and matmuls see the same drift)
     flops_per_step = cfg.data.batch_size * cfg.data.seq_len * flops_per_token(cfg)
     round_peak = [statistics.mean(peaks[2 * r:2 * r + 2]) for r in range(rounds)]
-    mfu = {name: statistics.median(flops_per_step / t / p for t, p in zip(v, round_peak))
+    mfu = {name: statistics.median(flops_per_step / t / p
+                                   for t, p in zip(v, round_peak, strict=True))
            for name, v in times.items()}
     for name in forms:
         print(f"{name:17s} {1e3 * median[name]:6.1f} ms a step, MFU {mfu[name]:.1%} (median "

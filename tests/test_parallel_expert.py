@@ -20,6 +20,9 @@ LAYER_CASES = [(e, d) for e in (2, 4, 8) for d in ("capacity", "pooled", "drople
 RAGGED_CASES = [2, 4, 8]  # dropless through ragged_all_to_all (emulated: CPU lacks it)
 RING_CASES = [(8, "capacity"), (4, "pooled"), (8, "dropless"), (2, "dropless")]
 WAVE_CASES = [(8, 1), (4, 3)]  # (expert shards, waves); 8 / shards data shards
+# the slab kernel on each device, on the rows each exchange delivers (with the ring, other
+# devices' experts' rows ride with the first and last local expert: parallel/expert.py)
+SLAB_CASES = [(2, "auto"), (8, "auto"), (8, "ring")]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,13 @@ def test_moe_layer_matches_single_device(report, n_experts, dispatch):
     assert case["drop_frac"] == case["drop_frac_single"]
     if dispatch == "capacity":
         assert case["drop_frac"] > 0  # the psum'd drop count is exercised, not just zero
+
+
+@pytest.mark.parametrize("n_experts,exchange", SLAB_CASES)
+def test_slab_kernel_under_expert_parallelism_matches_single_device(report, n_experts,
+                                                                   exchange):
+    case = report[f"slab/{exchange}/E{n_experts}"]
+    assert case["forward"] < TOL and case["grads"] < TOL, case
 
 
 @pytest.mark.parametrize("n_experts", RAGGED_CASES)
@@ -254,6 +264,8 @@ def main() -> None:
     import jax
 
     out = {f"layer/{d}/E{e}": layer_case(e, d) for e, d in LAYER_CASES}
+    out |= {f"slab/{x}/E{e}": layer_case(e, "dropless", x, dropless_impl="slab")
+            for e, x in SLAB_CASES}
     jax.lax.ragged_all_to_all = emulated_ragged_all_to_all
     out |= {f"ragged/dropless/E{e}": layer_case(e, "dropless", "ragged") for e in RAGGED_CASES}
     out["layer/pooled-0-vs-local/E4"] = layer_case(4, "pooled", parallel_pool=0)

@@ -27,8 +27,12 @@ from jaxtyping import Array, Float, Int
 from moelab.config import MoEConfig
 from moelab.model.dispatch.drops import Drops
 from moelab.model.dispatch.experts import Experts
-from moelab.model.dispatch.grouped import (grouped_swiglu, inverse_permutation, permute_rows,
-                                           slab_swiglu)
+from moelab.model.dispatch.grouped import (
+    grouped_swiglu,
+    inverse_permutation,
+    permute_rows,
+    slab_swiglu,
+)
 from moelab.model.router import Routing
 
 

@@ -17,6 +17,12 @@ its rows and writes them without a mask.
 A `while` loop with a data-dependent trip count has no reverse-mode derivative in JAX,
 so the backward pass is written out (`jax.custom_vjp`): the same loop over the same
 chunks, with gate and up saved from the forward pass.
+
+`slab_swiglu` computes the same rows another way: every expert's first
+ceil(rows / experts) rows (rounded up to 8) gathered into one [E, cap, D] batch of static
+shape, and only the rows past an expert's cap through the loop above. Where experts are
+narrow, the loop's chunks are small matmuls that cost less than the ops around them, and
+the batch replaces most of them (the tiny preset: 1.11x the loop for its MoE layer).
 """
 
 from __future__ import annotations
