@@ -109,6 +109,12 @@ DAMAGE = {
     "missing_metadata": lambda d: (d / "meta" / "metadata").unlink(),
     "garbled_metadata": lambda d: (d / "meta" / "metadata").write_bytes(b'{"config": \x00\xff'),
     "no_integrity_record": lambda d: (d / INTEGRITY_FILE).unlink(),
+    # orbax's own step record, read for every step when the checkpoints are opened: two
+    # keys damaged in it (as a fuzz test found) fail the opening itself, before any step
+    # is chosen
+    "garbled_orbax_step_record": lambda d: (d / "_CHECKPOINT_METADATA").write_bytes(
+        (d / "_CHECKPOINT_METADATA").read_bytes().replace(b'"item_', b'"iuem_')
+        .replace(b'"performance_', b'"(erformance_')),
     # Damage that happened before the record was written: only the restore can notice.
     "truncated_then_recorded": lambda d: (truncate(largest_array_file(d)), write_integrity(d)),
 }
@@ -143,6 +149,14 @@ def test_readers_skip_damage_without_moving_it_and_verify_lists_it(clean, tmp_pa
     lines = capfd.readouterr().out.splitlines()
     assert lines[:2] == ["step 4: good", "step 8: good"]
     assert lines[2].startswith("step 12: BAD: state/") and "sha256" in lines[2]
+
+
+def test_a_reader_names_a_step_whose_orbax_record_is_damaged(clean, tmp_path):
+    run = copy_run(clean, tmp_path)
+    DAMAGE["garbled_orbax_step_record"](run / CHECKPOINT_DIR / "8")
+    with pytest.raises(UserError, match="checkpoint 8: _CHECKPOINT_METADATA does not match"):
+        load_latest(run)  # orbax cannot open the run; a reader must not move anything
+    assert (run / CHECKPOINT_DIR / "8").is_dir()
 
 
 def test_every_checkpoint_damaged_is_a_clear_error(cfg, clean, tmp_path):

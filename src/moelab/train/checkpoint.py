@@ -191,9 +191,36 @@ class Checkpointer:
         if not writer:
             absl_log.setLevel(logging.ERROR)
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options)
+            self.manager = self._open(options)
         finally:
             absl_log.setLevel(level)
+
+    def _open(self, options) -> ocp.CheckpointManager:
+        """Orbax's manager over the directory. Orbax reads every step's metadata when it
+        opens one, so a step whose metadata is damaged fails the whole run; then every
+        step is verified and a writer moves the damaged ones aside and opens again, while
+        a reader, which must not change the run, says which steps are damaged."""
+        try:
+            return ocp.CheckpointManager(self.directory, options=options)
+        except Exception as err:  # noqa: BLE001 - orbax raises what its parsers raise
+            failure = f"{type(err).__name__}: {str(err)[:200]}"
+            damaged = [(step, reason) for step, reason in verify_run(self.run_dir) if reason]
+            if not damaged:
+                raise UserError(f"cannot open the checkpoints in {self.directory}: "
+                                f"{failure}") from None
+            if not self.writer:
+                listed = "; ".join(f"checkpoint {step}: {reason}" for step, reason in damaged)
+                raise UserError(f"cannot open the checkpoints in {self.directory} ({failure}): "
+                                f"{listed}; resuming the run with `moelab train` moves damaged "
+                                "checkpoints aside") from None
+        for step, reason in damaged:
+            self._move_aside(step, reason)
+        try:
+            return ocp.CheckpointManager(self.directory, options=options)
+        except Exception as err:  # noqa: BLE001
+            raise UserError(f"cannot open the checkpoints in {self.directory} even with the "
+                            f"damaged ones moved aside: {type(err).__name__}: "
+                            f"{str(err)[:200]}") from None
 
     def _remove_interrupted_saves(self) -> None:
         """Temporary directories of saves that a kill or a full disk interrupted."""
@@ -308,15 +335,19 @@ class Checkpointer:
 
     def _reject(self, step: int, reason: str) -> None:
         """Report a damaged checkpoint; the trainer also moves it aside (never deletes it)."""
-        where = ""
         if self.writer:
-            stamp = f"{time.strftime('%Y%m%dT%H%M%S')}.{time.time_ns() % 10**9:09d}"
-            aside = self.run_dir / QUARANTINE_DIR / f"{step}-{stamp}"  # unique: never overwrite
-            aside.parent.mkdir(exist_ok=True)
-            os.replace(self.directory / str(step), aside)
+            self._move_aside(step, reason, "; using an older one")
             self.manager.reload()
-            where = f"; moved aside to {aside}"
-        print(f"checkpoint {step} is damaged: {reason}{where}; using an older one",
+        else:
+            print(f"checkpoint {step} is damaged: {reason}; using an older one",
+                  file=sys.stderr, flush=True)
+
+    def _move_aside(self, step: int, reason: str, then: str = "") -> None:
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}.{time.time_ns() % 10**9:09d}"
+        aside = self.run_dir / QUARANTINE_DIR / f"{step}-{stamp}"  # unique: never overwrite
+        aside.parent.mkdir(exist_ok=True)
+        os.replace(self.directory / str(step), aside)
+        print(f"checkpoint {step} is damaged: {reason}; moved aside to {aside}{then}",
               file=sys.stderr, flush=True)
 
 
