@@ -284,27 +284,39 @@ def test_dashboard_answers_200_concurrent_requests_with_one_render_each(sample_l
 
 def test_dashboard_logs_a_client_disconnect_as_one_line(sample_lab, capfd):
     server = make_server(sample_lab, port=0)
+    # A small send buffer on the listening socket, which accepted sockets inherit, so
+    # the reply cannot sit whole in the kernel's buffers at the reset.
+    server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    logged = []
     try:
-        # A small receive window, set before connecting (afterwards the window is already
-        # negotiated), keeps most of plotly.min.js (~4.8 MB) unsent when the reset comes.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(server.server_address[:2])
-        sock.sendall(b"GET /static/plotly.min.js HTTP/1.1\r\nHost: localhost\r\n\r\n")
-        sock.recv(1024)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.close()  # linger 0: a reset, as when a tab is closed mid-download
-        deadline = time.time() + 10
-        while "disconnected" not in (err := capfd.readouterr().err) and time.time() < deadline:
-            time.sleep(0.1)
+        # A reset that reaches the server after its last write has nothing to report, and
+        # on a busy machine that happens now and then (about 1 in 5 here), so a few
+        # disconnects are made until one is reported; none may print a traceback.
+        for _ in range(4):
+            # A small receive window, set before connecting (afterwards the window is
+            # already negotiated), keeps most of plotly.min.js (~4.8 MB) unsent at the reset.
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(server.server_address[:2])
+            sock.sendall(b"GET /static/plotly.min.js HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            sock.recv(1024)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # linger 0: a reset, as when a tab is closed mid-download
+            err, deadline = "", time.time() + 5
+            while "\n" not in err and time.time() < deadline:
+                time.sleep(0.1)
+                err += capfd.readouterr().err
+            logged.append(err)
+            if err:
+                break
     finally:
         server.shutdown()
         server.server_close()
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "disconnected before the reply was sent" in lines[0], err
+    assert not any("Traceback" in err for err in logged), logged
+    lines = [line for line in logged[-1].splitlines() if line.strip()]
+    assert len(lines) == 1 and "disconnected before the reply was sent" in lines[0], logged
 
 
 def test_dashboard_refuses_bad_port_missing_lab_and_busy_port(sample_lab, tmp_path):
