@@ -76,16 +76,23 @@ def compile_seconds(cfg: Config) -> float:
     return time.perf_counter() - t
 
 
-def throughput(cfg: Config, steps: int) -> dict:
-    model, opt_state, batch, step = setup(cfg)
-    model, opt_state, parts = step(model, opt_state, batch)  # compile
-    jax.block_until_ready(parts)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def run_steps(state: list, steps: int) -> float:
+    """Seconds per step of `steps` steps from `state` = [model, opt_state, batch, step]
+    (after a sync), which is left holding the new model and optimizer state."""
+    model, opt_state, batch, step = state
     t = time.perf_counter()
     for _ in range(steps):
         model, opt_state, parts = step(model, opt_state, batch)
     jax.block_until_ready((model, opt_state, parts))
-    seconds = (time.perf_counter() - t) / steps
+    state[0], state[1] = model, opt_state
+    return (time.perf_counter() - t) / steps
+
+
+def throughput(cfg: Config, steps: int) -> dict:
+    state = list(setup(cfg))
+    run_steps(state, 1)  # compile
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    seconds = run_steps(state, steps)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
     tokens_per_s = cfg.data.batch_size * cfg.data.seq_len / seconds
     return {"step_ms": 1e3 * seconds, "tokens_per_s": tokens_per_s,
@@ -119,22 +126,14 @@ FORMS = {  # name -> model / moe changes to the tiny preset
 def forms_compare(cfg: Config, steps: int, rounds: int) -> dict:
     """Step time and MFU of the FORMS of `cfg`, rounds alternating."""
     forms = {name: list(setup(replace(cfg, **changes))) for name, changes in FORMS.items()}
-    for state in forms.values():  # compile and warm up
-        model, opt_state, batch, step = state
-        state[0], state[1], parts = step(model, opt_state, batch)
-        jax.block_until_ready(parts)
+    for state in forms.values():
+        run_steps(state, 1)  # compile and warm up
     times: dict[str, list[float]] = {name: [] for name in forms}
     peak_rate, peaks = matmul_timer(), []
     for _ in range(rounds):
         peaks += [peak_rate(), peak_rate()]
         for name, state in forms.items():
-            model, opt_state, batch, step = state
-            t = time.perf_counter()
-            for _ in range(steps):
-                model, opt_state, parts = step(model, opt_state, batch)
-            jax.block_until_ready((model, opt_state, parts))
-            times[name].append((time.perf_counter() - t) / steps)
-            state[0], state[1] = model, opt_state
+            times[name].append(run_steps(state, steps))
     median = {name: statistics.median(t) for name, t in times.items()}
     # each round's MFU against the peak timed in that round (the machine's speed drifts by
     # several % within a minute, and a round's steps and matmuls see the same drift)
@@ -185,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="timed steps (default 40)")
     parser.add_argument("--rounds", type=int, default=10,
-                        help="alternating rounds of scanned vs unrolled layers (default 8)")
+                        help="alternating rounds of the tiny preset's forms (default 10)")
     parser.add_argument("--force", action="store_true",
                         help="write results even if the machine is busy")
     parser.add_argument("--fsdp-bytes", action="store_true", help=argparse.SUPPRESS)

@@ -159,23 +159,37 @@ def _backward(block, res, dy):
     x, gate, up, group_sizes, w_gate, w_up, w_down = res
     n = dy.shape[0]
     dy = _pad(dy, x.shape[0] - n) if x.shape[0] > n else dy
+    saved = lambda e, read, size, xs: (_rows(gate, read, size), _rows(up, read, size))
+    chunk = _backward_chunk(x, dy, w_gate, w_up, w_down, saved)
+    f32 = lambda w: jnp.zeros(w.shape, jnp.float32)  # accumulate weight grads in float32
+    init = (jnp.zeros_like(x), f32(w_gate), f32(w_up), f32(w_down))
+    return _cotangents(_for_each_chunk(group_sizes, block, chunk, init), n, w_gate, w_up,
+                       w_down)
+
+
+def _backward_chunk(x, dy, w_gate, w_up, w_down, gate_up) -> ChunkBody:
+    """The backward loop's body: one chunk's input and weight gradients, added to the
+    carry (dx, dw_gate, dw_up, dw_down); `gate_up(e, read, size, xs)` gives the chunk's
+    gate and up, saved by the forward pass or computed again."""
 
     def chunk(carry, e, read, lo, hi, size):
         dx, dw_gate, dw_up, dw_down = carry
         owned = _owned(read, lo, hi, size)
-        xs, g, u = _rows(x, read, size), _rows(gate, read, size), _rows(up, read, size)
-        dys = _rows(dy, read, size)
+        xs, dys = _rows(x, read, size), _rows(dy, read, size)
         if owned is not None:
             dys = jnp.where(owned, dys, 0)  # rows owned elsewhere add nothing
+        g, u = gate_up(e, read, size, xs)
         dxs, dwg, dwu, dwd = _swiglu_grads(xs, g, u, dys, w_gate[e], w_up[e], w_down[e])
         acc = lambda w, grad: w.at[e].add(grad.astype(w.dtype))
-        dw_down = acc(dw_down, dwd)
-        dw_gate, dw_up = acc(dw_gate, dwg), acc(dw_up, dwu)
-        return _write(dx, dxs, read, owned), dw_gate, dw_up, dw_down
+        return _write(dx, dxs, read, owned), acc(dw_gate, dwg), acc(dw_up, dwu), acc(dw_down, dwd)
 
-    f32 = lambda w: jnp.zeros(w.shape, jnp.float32)  # accumulate weight grads in float32
-    init = (jnp.zeros_like(x), f32(w_gate), f32(w_up), f32(w_down))
-    dx, dw_gate, dw_up, dw_down = _for_each_chunk(group_sizes, block, chunk, init)
+    return chunk
+
+
+def _cotangents(grads, n, w_gate, w_up, w_down):
+    """The custom VJP's cotangents from the loop's carry: dx cut to the n rows, none for
+    the group sizes, the float32 weight gradients in the weights' dtype."""
+    dx, dw_gate, dw_up, dw_down = grads
     cast = lambda grad, w: grad.astype(w.dtype)
     return (dx[:n], None, cast(dw_gate, w_gate), cast(dw_up, w_up), cast(dw_down, w_down))
 
@@ -279,22 +293,10 @@ def _slab_backward(block, res, dy):
     pad = x.shape[0] - n
     dx, dy = (_pad(dx, pad), _pad(dy, pad)) if pad else (dx, dy)
 
-    def chunk(carry, e, read, lo, hi, size):  # the rows past the cap: gate, up recomputed
-        dx, dw_gate, dw_up, dw_down = carry
-        owned = _owned(read, lo, hi, size)
-        xr, dyr = _rows(x, read, size), _rows(dy, read, size)
-        if owned is not None:
-            dyr = jnp.where(owned, dyr, 0)
-        gr, ur = xr @ w_gate[e], xr @ w_up[e]
-        dxr, dwg, dwu, dwd = _swiglu_grads(xr, gr, ur, dyr, w_gate[e], w_up[e], w_down[e])
-        dw_gate, dw_up, dw_down = (w.at[e].add(grad.astype(w.dtype)) for w, grad in
-                                   ((dw_gate, dwg), (dw_up, dwu), (dw_down, dwd)))
-        return _write(dx, dxr, read, owned), dw_gate, dw_up, dw_down
-
-    dx, dw_gate, dw_up, dw_down = _for_each_run_chunk(first, over, block, chunk,
-                                                      (dx, dw_gate, dw_up, dw_down))
-    cast = lambda grad, w: grad.astype(w.dtype)
-    return (dx[:n], None, cast(dw_gate, w_gate), cast(dw_up, w_up), cast(dw_down, w_down))
+    again = lambda e, read, size, xs: (xs @ w_gate[e], xs @ w_up[e])  # rows past the cap
+    chunk = _backward_chunk(x, dy, w_gate, w_up, w_down, again)
+    grads = _for_each_run_chunk(first, over, block, chunk, (dx, dw_gate, dw_up, dw_down))
+    return _cotangents(grads, n, w_gate, w_up, w_down)
 
 
 slab_swiglu.defvjp(lambda *a: _slab_forward(*a), _slab_backward)
