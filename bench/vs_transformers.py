@@ -1,6 +1,6 @@
 """Forward+backward time of one MoE decoder block: moelab (JAX, dropless) vs transformers.
 
-    python3 bench/vs_transformers.py [--batch 8] [--seq 256] [--reps 7]
+    python3 bench/vs_transformers.py [--batch 8] [--seq 256] [--reps 15]
 
 The block is a whole decoder layer, attention and MoE FFN (pre-norm, residual):
 moelab's `Block` and the `Qwen3MoeDecoderLayer` that `moelab export` turns it into, with
@@ -8,8 +8,10 @@ the same weights (loaded from the exported directory, so the conversion is timed
 real path) and the same input. Both run in this process on CPU in float32; the output is
 checked equal before timing. Each rep computes the block's output, a scalar loss
 sum(out * g), and its gradients with respect to every weight and the input. Reps of the
-two alternate, after warmup, so load from other processes hits both alike; the medians
-and their ratio are printed and written to bench/results/vs_transformers.json.
+two alternate, after warmup, so load from other processes hits both alike, with a pause
+whenever the library changes (one library's threads spin on after a call and slowed the
+other's next call) and an untimed call after it; the medians and their ratio are
+printed and written to bench/results/vs_transformers.json.
 
 Beside the two, the limit: moelab's block with the MoE replaced by a dense SwiGLU of the
 same active FLOPs (width top_k * d_ff, no router, no dispatch), timed in the same
@@ -42,6 +44,12 @@ from moelab.model.layers import rope_angles
 from moelab.model.transformer import Block
 
 RESULTS = Path(__file__).parent / "results" / "vs_transformers.json"
+# Between the JAX blocks and PyTorch's. PyTorch's threads keep spinning for a while after
+# a call and slow what runs next, most of all the MoE kernel's loops of small ops (one
+# run, 25 reps, machine B: after a 0.3 s pause the MoE block took 145.8 ms against its
+# dense equal's 114.2; after 1.0 s, 118.5 against 113.0; with OMP_WAIT_POLICY=PASSIVE,
+# 117.2 against 111.5, but PyTorch's own block 5% slower).
+LIBRARY_PAUSE_S = 1.0
 transformers.utils.logging.disable_progress_bar()
 
 
@@ -127,7 +135,9 @@ def run(args: argparse.Namespace) -> dict:
     ours = moelab_step(model.blocks[0], x, g, cos, sin)
     theirs = transformers_step(hf.model.layers[0], hf.model.rotary_emb, x, g)
     dense = moelab_step(Block.init(cfg.model, cfg.moe, True, jax.random.key(2)), x, g, cos, sin)
-    calls = {"moelab": ours, "transformers": theirs, "moelab_dense_equal_flops": dense}
+    # the two JAX blocks side by side, then PyTorch's, with a pause (LIBRARY_PAUSE_S) each
+    # time the library changes, so that one's spinning threads do not slow the other
+    calls = {"moelab": ours, "moelab_dense_equal_flops": dense, "transformers": theirs}
 
     (loss_a, dx_a), (loss_b, dx_b) = ours(), theirs()  # also the first warmup
     dx_err = float(np.max(np.abs(dx_a - dx_b)))
@@ -138,9 +148,17 @@ def run(args: argparse.Namespace) -> dict:
         for call in calls.values():
             call()
     times = {k: [] for k in calls}
-    for _ in range(args.reps):  # alternate, so background load hits all alike
-        for k, call in calls.items():
-            times[k].append(timed(call))
+    jax_blocks = ["moelab", "moelab_dense_equal_flops"]
+    for rep in range(args.reps):  # alternate, so background load hits all alike
+        # cores idle through the pause run slower for a while on these VMs: an untimed
+        # call wakes them, and the two JAX blocks take turns to go first
+        dense()
+        for k in jax_blocks[rep % 2:] + jax_blocks[:rep % 2]:
+            times[k].append(timed(calls[k]))
+        time.sleep(LIBRARY_PAUSE_S)
+        theirs()  # the same for PyTorch
+        times["transformers"].append(timed(theirs))
+        time.sleep(LIBRARY_PAUSE_S)
     median = {k: statistics.median(v) for k, v in times.items()}
     peak = matmul_peak()
     head_dim = cfg.model.resolved_head_dim
@@ -166,6 +184,9 @@ def run(args: argparse.Namespace) -> dict:
         "check": {"loss_moelab": loss_a, "loss_transformers": loss_b,
                   "max_abs_err_dloss_dx": dx_err},
         "warmup": args.warmup, "reps": args.reps,
+        "protocol": f"each rep: an untimed dense-block call, the two JAX blocks timed in "
+                    f"turns, a {LIBRARY_PAUSE_S} s pause, an untimed then a timed "
+                    f"transformers call, a {LIBRARY_PAUSE_S} s pause",
         "seconds": {k: [round(t, 5) for t in v] for k, v in times.items()},
         "median_ms": {k: round(1e3 * v, 2) for k, v in median.items()},
         "ratio_transformers_over_moelab": round(median["transformers"] / median["moelab"], 3),
@@ -208,7 +229,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--d-ff", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--force", action="store_true",
                         help="write results even if the machine is busy")

@@ -5,8 +5,9 @@ Two kernels compute the same numbers:
     to a dense masked product over every expert (measured: 58 ms vs 8 ms for the
     capacity-shaped einsum at 4096 tokens, 8 experts, 256->512), so CPU does not use it.
   * `blocked`: `moelab.model.dispatch.grouped.grouped_swiglu`, each expert's run of sorted
-    rows in chunks of 4 * `block_size` rows, then `block_size` rows for the tail, as
-    plain 2-D matmuls in a loop with data-dependent trip counts.
+    rows in chunks of 8 * `block_size` rows, then the tail in one chunk per binary digit
+    of its length in blocks, as plain 2-D matmuls in loops with data-dependent trip
+    counts.
   * `slab`: `moelab.model.dispatch.grouped.slab_swiglu`, every expert's first
     ceil(rows / experts) rows (rounded up to 8) as one batched matmul of static shape and
     the rows past that through the blocked loop: faster than `blocked` where the experts
