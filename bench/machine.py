@@ -108,6 +108,13 @@ def refuse_if_busy(machine: dict, force: bool) -> None:
                          "not written; rerun on an idle machine or pass --force")
 
 
+def timed(call) -> float:
+    """Seconds one call of `call()` takes."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
 def matmul_timer(n: int = 2048):
     """A call that times one jitted n x n float32 matmul (compiled here) and returns its
     FLOP/s; timing it between the reps of a bench puts the peak and the bench side by side."""

@@ -43,13 +43,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from machine import describe, load_per_core, refuse_if_busy, settle  # bench/machine.py
+from blocks import add_shape_args, block_model, block_step, inputs, rope, shapes  # bench/
+from machine import describe, load_per_core, refuse_if_busy, settle, timed
 
-from moelab.config import ModelConfig, MoEConfig
+from moelab.config import MoEConfig
 from moelab.model import Transformer
 from moelab.model.dispatch.dropless import sorted_dispatch
 from moelab.model.dispatch.drops import Drops
-from moelab.model.layers import rope_angles
 from moelab.model.transformer import Block
 from moelab.train.memory import keep_freed_memory
 
@@ -114,22 +114,6 @@ IDEAL = {"router_then_dense": router_then_dense,
          "sorted_even_split": sorted_with(even_split)}
 
 
-def block_step(block, x, g, cos, sin):
-    """A call running one jitted forward + backward of the block (grads of all weights
-    and of the input)."""
-    params, static = eqx.partition(block, eqx.is_array)
-
-    @jax.jit
-    def step(params, x):
-        def loss(params, x):
-            out, _, _ = eqx.combine(params, static)(x, cos, sin)
-            return jnp.sum(out * g)
-
-        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
-
-    return lambda: jax.block_until_ready(step(params, x))
-
-
 def gemm_calls(m: int, k: int, n: int) -> dict:
     """XLA's and numpy's (its BLAS: OpenBLAS in the wheels) float32 [m, k] x [k, n]
     product, each a call."""
@@ -140,17 +124,10 @@ def gemm_calls(m: int, k: int, n: int) -> dict:
     return {"xla": lambda: dot(ja, jb).block_until_ready(), "numpy": lambda: a @ b}
 
 
-def timed(call) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
 def run(args: argparse.Namespace) -> dict:
     load_before, waited = settle()
     kept = keep_freed_memory() if args.keep_freed_memory else False
-    model_cfg = ModelConfig(vocab_size=512, d_model=args.d_model, n_layers=1,
-                            n_heads=args.heads, n_kv_heads=args.kv_heads, d_ff=args.d_ff)
+    model_cfg = block_model(args)
     blocks = {}
     for impl in ("blocked", "slab"):
         moe = MoEConfig(n_experts=args.experts, top_k=args.top_k, dispatch="dropless",
@@ -159,14 +136,13 @@ def run(args: argparse.Namespace) -> dict:
     moe_block = blocks["moe_blocked"]
     with_dispatch = lambda d: eqx.tree_at(lambda b: b.ffn, moe_block,
                                           dataclasses.replace(moe_block.ffn, dispatch=d))
-    blocks = {"dense": Block.init(model_cfg, moe, True, jax.random.key(2)),
+    # the dense block: a SwiGLU of width top_k * d_ff (Block.init reads only top_k)
+    dense_moe = MoEConfig(n_experts=args.experts, top_k=args.top_k)
+    blocks = {"dense": Block.init(model_cfg, dense_moe, True, jax.random.key(2)),
               **{name: with_dispatch(d) for name, d in IDEAL.items()}, **blocks}
 
-    kx, kg = jax.random.split(jax.random.key(1))
-    shape = (args.batch, args.seq, args.d_model)
-    x, g = jax.random.normal(kx, shape), jax.random.normal(kg, shape)
-    positions = jnp.broadcast_to(jnp.arange(args.seq), (args.batch, args.seq))
-    cos, sin = rope_angles(positions, model_cfg.resolved_head_dim, model_cfg.rope_theta)
+    x, g = inputs(args)
+    cos, sin = rope(args, model_cfg)
     calls = {name: block_step(b, x, g, cos, sin) for name, b in blocks.items()}
     tokens = args.batch * args.seq
     gemms = {"expert": (tokens * args.top_k // args.experts, args.d_model, args.d_ff),
@@ -209,9 +185,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "block": "decoder layer: RMSNorm + GQA attention (QK-norm, RoPE) + RMSNorm + FFN, "
                  "forward + backward, float32",
-        "shapes": {"batch": args.batch, "seq": args.seq, "d_model": args.d_model,
-                   "heads": args.heads, "kv_heads": args.kv_heads, "experts": args.experts,
-                   "top_k": args.top_k, "d_ff": args.d_ff},
+        "shapes": shapes(args),
         "keep_freed_memory": kept,
         "variants": {k: fn.__doc__ or "" for k, fn in IDEAL.items()},
         "numpy_blas": blas_name(),
@@ -242,15 +216,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--d-ff", type=int, default=512)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_shape_args(parser)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="keep freed memory as the trainer does (moelab.train.memory)")

@@ -31,14 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from machine import describe, load_per_core, refuse_if_busy, settle  # bench/machine.py
+from blocks import add_shape_args, inputs, shapes  # bench/blocks.py
+from machine import describe, load_per_core, refuse_if_busy, settle, timed
 
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model.dispatch import Drops, Experts, get_dispatch
@@ -123,17 +123,9 @@ def step_of(layer: MoE, x, g):
     return call
 
 
-def timed(call) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
 def run(args: argparse.Namespace) -> dict:
     load_before, waited = settle()
-    kx, kg = jax.random.split(jax.random.key(1))
-    shape = (args.batch, args.seq, args.d_model)
-    x, g = jax.random.normal(kx, shape), jax.random.normal(kg, shape)
+    x, g = inputs(args)
     calls = {mode: step_of(layer_for(mode, args), x, g) for mode in MODES}
     first = {mode: call() for mode, call in calls.items()}  # compile + first warmup
     y_dense = first["dense"][0]
@@ -158,8 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "layer": "one MoE FFN layer: router + top-k + dispatch + SwiGLU experts",
         "pass": "forward + backward (grads of all layer weights and of the input), jit",
-        "shapes": {"batch": args.batch, "seq": args.seq, "d_model": args.d_model,
-                   "experts": args.experts, "top_k": args.top_k, "d_ff": args.d_ff},
+        "shapes": shapes(args),
         "dtype": "float32", "backend": jax.default_backend(), "jax": jax.__version__,
         "capacity_factor": 1.25, "block_size": MoEConfig().block_size,
         "check": check, "warmup": args.warmup, "reps": args.reps,
@@ -195,14 +186,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--d-ff", type=int, default=512)
+    add_shape_args(parser, heads=False)
     parser.add_argument("--init-std", type=float, default=0.02)
-    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--force", action="store_true",

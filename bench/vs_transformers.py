@@ -5,13 +5,16 @@
 The block is a whole decoder layer, attention and MoE FFN (pre-norm, residual):
 moelab's `Block` and the `Qwen3MoeDecoderLayer` that `moelab export` turns it into, with
 the same weights (loaded from the exported directory, so the conversion is timed on the
-real path) and the same input. Both run in this process on CPU in float32; the output is
-checked equal before timing. Each rep computes the block's output, a scalar loss
-sum(out * g), and its gradients with respect to every weight and the input. Reps of the
-two alternate, after warmup, so load from other processes hits both alike, with a pause
-whenever the library changes (one library's threads spin on after a call and slowed the
-other's next call) and an untimed call after it; the medians and their ratio are
-printed and written to bench/results/vs_transformers.json.
+real path) and the same input, on CPU in float32; the output is checked equal before
+timing. Each library runs in a process of its own (transformers in a child process that
+this one drives over a pipe), as each would in use: with both in one process, XLA's and
+PyTorch's thread pools shared it and PyTorch's spinning threads slowed the next JAX call
+(`--one-process` runs that way, for comparison). Each rep computes the block's output, a
+scalar loss sum(out * g), and its gradients with respect to every weight and the input.
+Reps of the two alternate, after warmup, so load from other processes hits both alike,
+with a pause whenever the library changes (one library's threads spin on after a call)
+and an untimed call after it; the medians and their ratio are printed and written to
+bench/results/vs_transformers.json.
 
 Beside the two, the limit: moelab's block with the MoE replaced by a dense SwiGLU of the
 same active FLOPs (width top_k * d_ff, no router, no dispatch), timed in the same
@@ -24,23 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-import torch
-import transformers
-from machine import describe, load_per_core, matmul_peak, refuse_if_busy, settle  # bench/machine.py
+from blocks import add_shape_args, block_model, block_step, inputs, rope, shapes  # bench/
+from machine import describe, load_per_core, matmul_peak, refuse_if_busy, settle, timed
 
-from moelab.config import Config, ModelConfig, MoEConfig
+from moelab.config import Config, MoEConfig
 from moelab.export.hf import export_hf
 from moelab.model import Transformer
-from moelab.model.layers import rope_angles
 from moelab.model.transformer import Block
 
 RESULTS = Path(__file__).parent / "results" / "vs_transformers.json"
@@ -50,14 +50,11 @@ RESULTS = Path(__file__).parent / "results" / "vs_transformers.json"
 # dense equal's 114.2; after 1.0 s, 118.5 against 113.0; with OMP_WAIT_POLICY=PASSIVE,
 # 117.2 against 111.5, but PyTorch's own block 5% slower).
 LIBRARY_PAUSE_S = 1.0
-transformers.utils.logging.disable_progress_bar()
 
 
 def build(args: argparse.Namespace) -> tuple[Config, Transformer]:
-    model_cfg = ModelConfig(vocab_size=512, d_model=args.d_model, n_layers=1,
-                            n_heads=args.heads, n_kv_heads=args.kv_heads, d_ff=args.d_ff)
     moe = MoEConfig(n_experts=args.experts, top_k=args.top_k, dispatch="dropless")
-    cfg = Config(model=model_cfg, moe=moe)
+    cfg = Config(model=block_model(args), moe=moe)
     return cfg, Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
 
 
@@ -78,18 +75,10 @@ def block_flops(args: argparse.Namespace, head_dim: int, routed: bool) -> float:
 
 def moelab_step(block, x, g, cos, sin):
     """A call that runs one jit-compiled forward+backward; returns (loss, dx)."""
-    params, static = eqx.partition(block, eqx.is_array)
-
-    @jax.jit
-    def step(params, x, g, cos, sin):
-        def loss(params, x):
-            out, _, _ = eqx.combine(params, static)(x, cos, sin)
-            return jnp.sum(out * g)
-
-        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+    step = block_step(block, x, g, cos, sin)
 
     def call():
-        loss, (_, dx) = jax.block_until_ready(step(params, x, g, cos, sin))
+        loss, (_, dx) = step()
         return float(loss), np.asarray(dx)
 
     return call
@@ -97,6 +86,8 @@ def moelab_step(block, x, g, cos, sin):
 
 def transformers_step(layer, rotary, x, g):
     """A call that runs one eager forward+backward of the HF layer; returns (loss, dx)."""
+    import torch
+
     x = torch.tensor(np.asarray(x), requires_grad=True)
     g = torch.tensor(np.asarray(g))
     positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
@@ -115,25 +106,76 @@ def transformers_step(layer, rotary, x, g):
     return call
 
 
-def timed(call) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
+def load_transformers(hf_dir: str, x, g) -> tuple:
+    """transformers' block from the exported directory: (its call, what the results record
+    about it)."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    info = {"version": transformers.__version__, "torch": torch.__version__,
+            "experts_implementation": hf.config._experts_implementation,
+            "attn_implementation": hf.config._attn_implementation,
+            "torch_threads": torch.get_num_threads()}
+    return transformers_step(hf.model.layers[0], hf.model.rotary_emb, x, g), info
+
+
+def transformers_worker(conn, hf_dir: str, x, g) -> None:
+    """The child process that runs transformers' block on the parent's commands: "call"
+    (one call, returning its loss and dx), "timed" (one call, returning its seconds),
+    "stop"."""
+    call, info = load_transformers(hf_dir, x, g)
+    conn.send(info)
+    while (command := conn.recv()) != "stop":
+        conn.send(call() if command == "call" else timed(call))
+
+
+class TransformersProcess:
+    """transformers' block in a child process: `call()` and `timed()` as in this one."""
+
+    def __init__(self, hf_dir: Path, x, g):
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no XLA threads
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=transformers_worker, daemon=True,
+                                       args=(child, str(hf_dir), np.asarray(x), np.asarray(g)))
+        self.process.start()
+        self.info = self._receive()  # the child has loaded the weights
+
+    def _receive(self):
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise SystemExit(f"the transformers process died (exit code "
+                                 f"{self.process.exitcode}); its error is printed above")
+        return self.conn.recv()
+
+    def __call__(self):
+        self.conn.send("call")
+        return self._receive()
+
+    def timed(self) -> float:
+        self.conn.send("timed")
+        return self._receive()
+
+    def stop(self) -> None:
+        self.conn.send("stop")
+        self.process.join(30)
 
 
 def run(args: argparse.Namespace) -> dict:
     load_before, waited = settle()
     cfg, model = build(args)
+    x, g = inputs(args)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            export_hf(model, cfg, Path(tmp) / "hf"), dtype=torch.float32)
-    kx, kg = jax.random.split(jax.random.key(1))
-    shape = (args.batch, args.seq, args.d_model)
-    x, g = jax.random.normal(kx, shape), jax.random.normal(kg, shape)
-    positions = jnp.broadcast_to(jnp.arange(args.seq), (args.batch, args.seq))
-    cos, sin = rope_angles(positions, cfg.model.resolved_head_dim, cfg.model.rope_theta)
+        hf_dir = export_hf(model, cfg, Path(tmp) / "hf")
+        if args.one_process:
+            theirs, info = load_transformers(str(hf_dir), x, g)
+            theirs_timed = lambda: timed(theirs)
+        else:
+            child = TransformersProcess(hf_dir, x, g)
+            theirs, theirs_timed, info = child, child.timed, child.info
+    cos, sin = rope(args, cfg.model)
     ours = moelab_step(model.blocks[0], x, g, cos, sin)
-    theirs = transformers_step(hf.model.layers[0], hf.model.rotary_emb, x, g)
     dense = moelab_step(Block.init(cfg.model, cfg.moe, True, jax.random.key(2)), x, g, cos, sin)
     # the two JAX blocks side by side, then PyTorch's, with a pause (LIBRARY_PAUSE_S) each
     # time the library changes, so that one's spinning threads do not slow the other
@@ -157,8 +199,10 @@ def run(args: argparse.Namespace) -> dict:
             times[k].append(timed(calls[k]))
         time.sleep(LIBRARY_PAUSE_S)
         theirs()  # the same for PyTorch
-        times["transformers"].append(timed(theirs))
+        times["transformers"].append(theirs_timed())
         time.sleep(LIBRARY_PAUSE_S)
+    if not args.one_process:
+        child.stop()
     median = {k: statistics.median(v) for k, v in times.items()}
     peak = matmul_peak()
     head_dim = cfg.model.resolved_head_dim
@@ -169,24 +213,19 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "block": "decoder layer: RMSNorm + GQA attention (QK-norm, RoPE) + RMSNorm + MoE FFN",
         "pass": "forward + backward (grads of all block weights and of the input)",
-        "shapes": {"batch": args.batch, "seq": args.seq, "d_model": args.d_model,
-                   "heads": args.heads, "kv_heads": args.kv_heads,
-                   "head_dim": cfg.model.resolved_head_dim, "experts": args.experts,
-                   "top_k": args.top_k, "d_ff": args.d_ff},
+        "shapes": {**shapes(args), "head_dim": cfg.model.resolved_head_dim},
         "dtype": "float32",
         "moelab": {"dispatch": "dropless", "kernel": "ragged" if jax.default_backend() != "cpu"
                    else f"blocked (block_size {cfg.moe.block_size})",
                    "backend": jax.default_backend(), "jax": jax.__version__},
-        "transformers": {"version": transformers.__version__, "torch": torch.__version__,
-                         "experts_implementation": hf.config._experts_implementation,
-                         "attn_implementation": hf.config._attn_implementation,
-                         "torch_threads": torch.get_num_threads()},
+        "transformers": info,
         "check": {"loss_moelab": loss_a, "loss_transformers": loss_b,
                   "max_abs_err_dloss_dx": dx_err},
         "warmup": args.warmup, "reps": args.reps,
         "protocol": f"each rep: an untimed dense-block call, the two JAX blocks timed in "
                     f"turns, a {LIBRARY_PAUSE_S} s pause, an untimed then a timed "
-                    f"transformers call, a {LIBRARY_PAUSE_S} s pause",
+                    f"transformers call, a {LIBRARY_PAUSE_S} s pause; transformers "
+                    + ("in this process" if args.one_process else "in a child process"),
         "seconds": {k: [round(t, 5) for t in v] for k, v in times.items()},
         "median_ms": {k: round(1e3 * v, 2) for k, v in median.items()},
         "ratio_transformers_over_moelab": round(median["transformers"] / median["moelab"], 3),
@@ -220,16 +259,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--d-ff", type=int, default=512)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_shape_args(parser)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--one-process", action="store_true",
+                        help="run transformers in this process, beside JAX (the old protocol)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--force", action="store_true",
                         help="write results even if the machine is busy")

@@ -7,17 +7,16 @@ weights costs a copy of the expert weights per block and runs small matmuls (mea
 kernel instead loops, with dynamic trip counts, over each expert's rows *where they lie*:
 chunks of `CHUNK_BLOCKS * block` rows while a full chunk fits, then the tail rounded up to
 whole blocks in one chunk per binary digit (of 4, 2 and 1 blocks, or one of 8 where the
-tail rounds up to a full chunk: at most 3 chunks), the last
-one shifted back to end at the run's end (rows it shares with the previous chunk, or with
-the previous expert's run when the run is short, are masked, so each row counts once).
-Compute is therefore the rows themselves plus fewer than `block` rows per expert, as
-plain 2-D matmuls, and an uneven run costs few extra matmuls: with the earlier tail of up
-to 3 chunks of `block` rows after chunks of 4 blocks, real routing took 1.16x the time of
-exactly uniform routing; now 1.07x (fwd+bwd, B8 S256 D256 F512 E8 top-2,
-bench/results/moe_layer.json). Every read stays inside the rows, so
-nothing is padded or copied around the loop (padding the rows and the incoming gradient
-cost 10-12% of the kernel's fwd+bwd time, measured side by side); a full chunk owns all
-its rows and writes them without a mask.
+tail rounds up to a full chunk: at most 3 chunks), the last one shifted back to end at the
+run's end (rows it shares with the previous chunk, or with the previous expert's run when
+the run is short, are masked, so each row counts once). Compute is therefore the rows
+themselves plus fewer than `block` rows per expert, as plain 2-D matmuls, and an uneven
+run costs few extra matmuls: with the earlier tail of up to 3 chunks of `block` rows after
+chunks of 4 blocks, real routing took 1.16x the time of exactly uniform routing; now 1.07x
+(fwd+bwd, B8 S256 D256 F512 E8 top-2, bench/results/moe_layer.json). Every read stays
+inside the rows, so nothing is padded or copied around the loop (padding the rows and the
+incoming gradient cost 10-12% of the kernel's fwd+bwd time, measured side by side); a
+full chunk owns all its rows and writes them without a mask.
 
 A `while` loop with a data-dependent trip count has no reverse-mode derivative in JAX,
 so the backward pass is written out (`jax.custom_vjp`): the same loop over the same
