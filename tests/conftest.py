@@ -16,6 +16,23 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 COMPILE_CACHE = {"JAX_COMPILATION_CACHE_DIR": "/tmp/moelab-test-jax-cache",
                  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def pytest_configure(config):
+    """One disk cache for every program the suite compiles, in this process and in every
+    process it starts: the tests' tiny runs share most of their programs, so a fresh
+    machine compiles each once. Set before anything imports jax, whose flags read the
+    environment on import."""
+    for name, value in COMPILE_CACHE.items():
+        os.environ.setdefault(name, value)
+    if "jax" in sys.modules:  # a plugin imported it first
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 SMALL_SOURCES = {
     "code": [f"{STDLIB}/json/*.py", f"{STDLIB}/email/*.py", f"{STDLIB}/logging/*.py"],
     "prose": ["/usr/share/common-licenses/*", "/usr/share/doc/*/copyright"],

@@ -34,7 +34,7 @@ from moelab.train.metrics import JsonlLog
 from moelab.train.rundir import METRICS_FILE
 
 FILE_CASES, ARG_CASES = 24, 60  # default CI run: ~1 minute of CPU on an idle machine
-SLOW_FILE_CASES, SLOW_ARG_CASES = 150, 400
+SLOW_FILE_CASES, SLOW_ARG_CASES = 60, 200  # about 3x the default run
 
 # exit codes each command documents (README, errors.py)
 ALLOWED = {"train": {EXIT_OK, EXIT_USER_ERROR, EXIT_DIVERGED},

@@ -28,14 +28,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 def ray_spec(data_path: Path) -> dict:
     """Three rungs and a cooldown branch, one layer each (compiling is most of a tiny run's
-    time), and a target long enough to be killed mid-run: 64 x 32 tokens a step, 1500
+    time), and a target long enough to be killed mid-run: 64 x 32 tokens a step, 800
     steps, a checkpoint every 100."""
     base = tiny_config(data_path, model={"n_layers": 1}, optim={"lr": 1e-2, "warmup_steps": 5},
                        train={"log_every": 1000, "eval_batches": 1, "checkpoint_every": 100,
                               "keep_checkpoints": 2})
     rung = lambda name, d, steps: {"name": name, "model": {"d_model": d, "d_ff": d},
                                    "train": {"steps": steps}}
-    target = rung("big", 32, 1500)
+    target = rung("big", 32, 800)
     target["data"] = {"batch_size": 64}
     return {"base": base, "seeds": [0], "evals": 2,
             "rungs": [rung("r1", 16, 40), rung("r2", 24, 40),
