@@ -14,10 +14,12 @@ refuse to run on an idle machine.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +100,13 @@ def describe(load_before: float, load_after: float, waited_s: float = 0.0) -> di
             # only the load before counts: during and after, the benchmark's own threads
             # keep both cores busy, which is the point of running it
             "busy": load_before > BUSY_PER_CORE}
+
+
+def add_output_args(parser: argparse.ArgumentParser, default: Path) -> None:
+    """--out, the JSON file to write, and --force, to write it from a busy machine."""
+    parser.add_argument("--out", type=Path, default=default)
+    parser.add_argument("--force", action="store_true",
+                        help="write results even if the machine is busy")
 
 
 def refuse_if_busy(machine: dict, force: bool) -> None:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from blocks import add_shape_args, block_model, block_step, inputs, rope, shapes  # bench/
-from machine import describe, load_per_core, refuse_if_busy, settle, timed
+from machine import add_output_args, describe, load_per_core, refuse_if_busy, settle, timed
 
 from moelab.config import MoEConfig
 from moelab.model import Transformer
@@ -220,9 +220,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="keep freed memory as the trainer does (moelab.train.memory)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--force", action="store_true",
-                        help="write results even if the machine is busy")
+    add_output_args(parser, RESULTS)
     run(parser.parse_args())
 
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from blocks import add_shape_args, inputs, shapes  # bench/blocks.py
-from machine import describe, load_per_core, refuse_if_busy, settle, timed
+from machine import add_output_args, describe, load_per_core, refuse_if_busy, settle, timed
 
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model.dispatch import Drops, Experts, get_dispatch
@@ -189,9 +189,7 @@ def main() -> None:
     add_shape_args(parser, heads=False)
     parser.add_argument("--init-std", type=float, default=0.02)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--force", action="store_true",
-                        help="write results even if the machine is busy")
+    add_output_args(parser, RESULTS)
     run(parser.parse_args())
 
 

@@ -38,14 +38,13 @@ import jax
 import jax.numpy as jnp
 import yaml
 from machine import describe, load_per_core, matmul_peak, settle  # bench/machine.py
+from train_step import setup  # bench/train_step.py
 
 from moelab.config import Config, ModelConfig, MoEConfig, load_config
 from moelab.model import Transformer
 from moelab.train.cli import config_path
 from moelab.train.memory import keep_freed_memory
 from moelab.train.metrics import flops_per_token
-from moelab.train.optimizer import make_optimizer, trainable
-from moelab.train.step import make_train_step
 
 RESULTS = Path(__file__).parent / "results" / "profile_step.json"
 # the model's named scopes, innermost wins ("dispatch/experts" is "experts")
@@ -162,14 +161,9 @@ def timed(fn, args: tuple, reps: int) -> float:
 
 
 def train_step_program(cfg: Config):
-    model = Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
-    opt_state = optimizer.init(trainable(model))
-    batch = jax.random.randint(jax.random.key(1), (cfg.data.batch_size, cfg.data.seq_len + 1),
-                               0, cfg.model.vocab_size)
     import equinox as eqx
 
-    step = make_train_step(cfg, optimizer, donate=False)
+    model, opt_state, batch, step = setup(cfg, donate=False)  # bench/train_step.py's
     params, static = eqx.partition(model, eqx.is_array)
     jitted = step._jit(params, opt_state)  # the exact jitted program `moelab train` runs
     return jitted, (params, static, opt_state, batch)

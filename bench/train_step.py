@@ -60,13 +60,15 @@ from moelab.train.step import make_train_step
 RESULTS = Path(__file__).parent / "results" / "train_step.json"
 
 
-def setup(cfg: Config):
+def setup(cfg: Config, donate: bool = True):
+    """The tiny preset's model, optimizer state, one batch and its train step (`moelab
+    train`'s own, donating its inputs unless told not to)."""
     model = Transformer.init(cfg.model, cfg.moe, jax.random.key(0))
     optimizer = make_optimizer(cfg.optim, cfg.train.steps, None)
     opt_state = optimizer.init(trainable(model))
     batch = jax.random.randint(jax.random.key(1), (cfg.data.batch_size, cfg.data.seq_len + 1),
                                0, cfg.model.vocab_size)
-    return model, opt_state, batch, make_train_step(cfg, optimizer)
+    return model, opt_state, batch, make_train_step(cfg, optimizer, donate)
 
 
 def compile_seconds(cfg: Config) -> float:

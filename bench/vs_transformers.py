@@ -37,7 +37,15 @@ import numpy as np
 import torch
 import transformers
 from blocks import add_shape_args, block_model, block_step, inputs, rope, shapes  # bench/
-from machine import describe, load_per_core, matmul_peak, refuse_if_busy, settle, timed
+from machine import (
+    add_output_args,
+    describe,
+    load_per_core,
+    matmul_peak,
+    refuse_if_busy,
+    settle,
+    timed,
+)
 
 from moelab.config import Config, MoEConfig
 from moelab.export.hf import export_hf
@@ -207,9 +215,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(parser)
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--force", action="store_true",
-                        help="write results even if the machine is busy")
+    add_output_args(parser, RESULTS)
     run(parser.parse_args())
 
 
