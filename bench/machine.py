@@ -102,6 +102,13 @@ def describe(load_before: float, load_after: float, waited_s: float = 0.0) -> di
             "busy": load_before > BUSY_PER_CORE}
 
 
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """The median over rounds of each round's own ratio. Times taken side by side in one
+    round share that moment's machine state; on these VMs the state drifts between
+    stretches of rounds, which a ratio of the two medians mixes in."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+
+
 def add_output_args(parser: argparse.ArgumentParser, default: Path) -> None:
     """--out, the JSON file to write, and --force, to write it from a busy machine."""
     parser.add_argument("--out", type=Path, default=default)

@@ -42,6 +42,7 @@ from machine import (
     describe,
     load_per_core,
     matmul_peak,
+    paired_ratio,
     refuse_if_busy,
     settle,
     timed,
@@ -183,6 +184,11 @@ def run(args: argparse.Namespace) -> dict:
         "seconds": {k: [round(t, 5) for t in v] for k, v in times.items()},
         "median_ms": {k: round(1e3 * v, 2) for k, v in median.items()},
         "ratio_transformers_over_moelab": round(median["transformers"] / median["moelab"], 3),
+        "paired": {  # each rep's own ratio, the median over reps (machine.paired_ratio)
+            "transformers_over_moelab": round(
+                paired_ratio(times["transformers"], times["moelab"]), 3),
+            "moelab_speed_vs_dense": round(
+                paired_ratio(times["moelab_dense_equal_flops"], times["moelab"]), 3)},
         "limit": {
             "what": "moelab's block with a dense SwiGLU of equal active FLOPs in place of the "
                     "MoE: no router, no dispatch",
@@ -208,6 +214,9 @@ def run(args: argparse.Namespace) -> dict:
           f"fraction of the {peak / 1e9:.0f} GFLOP/s matmul peak: "
           + ", ".join(f"{k} {v:.2f}" for k, v in result["fraction_of_matmul_peak"].items())
           + f"; 1.5x needs {result['for_1.5x']['fraction_of_matmul_peak']:.2f}")
+    print(f"median of each rep's own ratio: transformers / moelab "
+          f"{result['paired']['transformers_over_moelab']:.3f}, moelab's speed vs its dense "
+          f"equal {result['paired']['moelab_speed_vs_dense']:.3f}")
     return result
 
 
