@@ -22,9 +22,8 @@ def pytest_configure(config):
     """One disk cache for every program the suite compiles, in this process and in every
     process it starts: the tests' tiny runs share most of their programs, so a fresh
     machine compiles each once. Set before anything imports jax, whose flags read the
-    environment on import."""
-    for name, value in COMPILE_CACHE.items():
-        os.environ.setdefault(name, value)
+    environment on import; the processes the tests start inherit it."""
+    os.environ.update(COMPILE_CACHE)
     if "jax" in sys.modules:  # a plugin imported it first
         import jax
 
@@ -97,7 +96,7 @@ def moelab_train(config, run_dir, *extra, env=None, check=True):
     cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config),
            "--run-dir", str(run_dir), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **COMPILE_CACHE, **(env or {})})
+                          env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -230,15 +229,10 @@ def small_runs(tmp_path_factory, small_corpus) -> Path:
     the copy (chdir'd into it), so each one gets its own dataset and runs."""
     import shutil
 
-    import jax
-
     from moelab.config import config_from_dict
     from moelab.train.metrics import JsonlLog
     from moelab.train.trainer import train
 
-    jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE["JAX_COMPILATION_CACHE_DIR"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     root = tmp_path_factory.mktemp("runs")
     shutil.copytree(small_corpus, root / "data")
     raw = tiny_config("./data", train={"steps": FUZZ_STEPS, "checkpoint_every": FUZZ_EVERY,

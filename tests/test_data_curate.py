@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import COMPILE_CACHE, tiny_config
+from conftest import tiny_config
 
 from moelab.cli import main
 from moelab.data import cells, cluster
@@ -181,8 +180,7 @@ def test_neural_embedder_uses_a_checkpoint_of_the_same_tokenizer(curated, small_
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(small_corpus, train={"steps": 4})))
     train = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config)]
-    env = {**os.environ, **COMPILE_CACHE}
-    subprocess.run([*train, "--run-dir", str(run)], check=True, env=env, capture_output=True,
+    subprocess.run([*train, "--run-dir", str(run)], check=True, capture_output=True,
                    timeout=600)
     neural = copy_of(small_corpus, tmp_path / "neural")
     entry = curate(neural, "neural", run, **SETTINGS)
@@ -197,7 +195,7 @@ def test_neural_embedder_uses_a_checkpoint_of_the_same_tokenizer(curated, small_
     names = {f"cell:{n}": 1.0 for n in read_meta(curated)["cells"]["cells"]}
     config.write_text(yaml.safe_dump(tiny_config(curated, train={"steps": 4}, data={
         "mixture": names, "max_epochs": 4.0})))
-    done = subprocess.run([*train, "--run-dir", str(tmp_path / "cells_run")], env=env,
+    done = subprocess.run([*train, "--run-dir", str(tmp_path / "cells_run")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "mixture: cell:" in done.stdout and "epochs)" in done.stdout

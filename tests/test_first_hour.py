@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import COMPILE_CACHE
 
 SHORT = ["--set", "train.steps=4", "--set", "train.log_every=2"]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, **COMPILE_CACHE, "MOELAB_HOME": str(tmp_path / "home"),
+    return {**os.environ, "MOELAB_HOME": str(tmp_path / "home"),
             "MOELAB_LAB": str(tmp_path / "lab.sqlite"), "PYTHONUNBUFFERED": "1"}
 
 

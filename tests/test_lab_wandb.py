@@ -16,7 +16,6 @@ import types
 
 import pytest
 import yaml
-from conftest import COMPILE_CACHE
 
 from moelab.lab.store import Store
 
@@ -40,7 +39,7 @@ def test_offline_wandb_run_holds_every_logged_step_and_metric(tmp_path, write_co
     with Store(lab) as store:  # the snapshot is the config the run uses, as `lab new` takes it
         exp = store.new_experiment("wandb mirror", "nothing lost",
                                    yaml.safe_load(config.read_text()), None)
-    env = {**os.environ, **COMPILE_CACHE, "MOELAB_LAB": str(lab), "MOELAB_WANDB": "offline",
+    env = {**os.environ, "MOELAB_LAB": str(lab), "MOELAB_WANDB": "offline",
            "MOELAB_WANDB_PROJECT": "moelab-test", "WANDB_DIR": str(tmp_path),
            "WANDB_SILENT": "true", "WANDB_API_KEY": ""}
     cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config),

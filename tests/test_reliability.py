@@ -19,7 +19,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import COMPILE_CACHE
 
 from moelab.cli import main
 from moelab.config import config_from_dict, config_to_dict, load_config, replace
@@ -47,10 +46,7 @@ STEPS = 12  # checkpoints at 4, 8, 12, all three kept
 def cfg(small_corpus):
     from conftest import tiny_config
 
-    # Each Trainer jits its step afresh: the disk cache makes the recompiles cheap.
-    jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE["JAX_COMPILATION_CACHE_DIR"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # Each Trainer jits its step afresh: the disk cache (conftest) makes the recompiles cheap.
     return config_from_dict(tiny_config(small_corpus, train={"keep_checkpoints": 3}))
 
 
@@ -383,8 +379,7 @@ def test_supervisor_stopped_or_killed_leaves_no_orphan_worker(kill, write_config
     run = tmp_path / "run"
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "moelab.cli", "train", "--config", str(config), "--run-dir",
-         str(run), "--max-restarts", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env={**os.environ, **COMPILE_CACHE})
+         str(run), "--max-restarts", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     # the worker is training: a logged step (the file alone may be made before its handler)
     while not ((run / METRICS_FILE).exists() and (run / METRICS_FILE).read_text().strip()):

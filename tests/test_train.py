@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from conftest import COMPILE_CACHE, THREE_STAGES, events, losses, moelab_train
+from conftest import THREE_STAGES, events, losses, moelab_train
 
 from moelab.train.trainer import FAULT_ENV
 
@@ -57,8 +57,7 @@ def test_supervisor_recovers_from_an_external_sigkill(tmp_path, write_config):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "moelab.cli", "train", "--config", str(config), "--run-dir",
            str(run), "--max-restarts", "2", "--restart-backoff", "0.1"]
-    supervisor = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, **COMPILE_CACHE})
+    supervisor = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not ((run / "metrics.jsonl").exists() and max(losses(run), default=0) >= 8):
         assert time.time() < deadline and supervisor.poll() is None
