@@ -13,8 +13,8 @@ whenever the library changes (one library's threads spin on after a call and slo
 other's next call) and an untimed call after it; the medians and their ratio are
 printed and written to bench/results/vs_transformers.json. (Running transformers in a
 child process instead, so that the two libraries' thread pools never share a process,
-did not change the ratios: MoE / dense 0.90 and 0.95 in two runs against 0.94 in one
-process, all within this VM's run-to-run spread.)
+did not change the ratios: MoE / dense 0.92 and 0.91 paired in two runs against 0.94 in
+one process, within this VM's run-to-run spread.)
 
 Beside the two, the limit: moelab's block with the MoE replaced by a dense SwiGLU of the
 same active FLOPs (width top_k * d_ff, no router, no dispatch), timed in the same
