@@ -153,7 +153,7 @@ class Transformer(eqx.Module):
 
 def with_model_config(model: Transformer, cfg: ModelConfig) -> Transformer:
     """The same arrays under another model config that shapes nothing: a stage's RoPE and
-    attention-logit multiplier (train/plan.py's STAGE_MODEL_FIELDS). Both are static fields
+    attention-logit multiplier (config/plan.py's STAGE_MODEL_FIELDS). Both are static fields
     (the model's cfg, each attention's logit_scale), so a jitted step retraces for them."""
     scale = lambda node: (dataclasses.replace(node, logit_scale=cfg.attn_logit_scale)
                           if isinstance(node, Attention) else node)
