@@ -51,8 +51,8 @@ import numpy as np
 import yaml
 
 from moelab.config import config_from_dict
+from moelab.eval.bpb import val_windows as windows
 from moelab.eval.longctx import evaluate, pooled_gain, short_context_loss
-from moelab.ladder.evaluate import windows
 from moelab.model import Transformer
 from moelab.train.checkpoint import load_latest
 from moelab.train.interrupt import StopRequest

@@ -32,11 +32,11 @@ from moelab.config import (
 from moelab.config.plan import Stage, check_sources, stage_config
 from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
-from moelab.eval.bpb import domain_metrics, tokenizer_bytes
 from moelab.model import Transformer
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
+from moelab.train.bpb import domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits, keep_freed_memory
