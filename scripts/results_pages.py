@@ -73,7 +73,7 @@ def fmt(value: Any, key: str = "") -> str:
     if isinstance(value, dict):
         return f"{len(value)} fields"
     text = str(value).replace("|", "\\|").replace("\n", " ")
-    return text if len(text) <= 160 else text[:157] + "..."
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
