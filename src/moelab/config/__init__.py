@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -20,9 +21,9 @@ from typing import Any, Literal
 
 import yaml
 
+from moelab.config.plan import Plan, StageConfig, build_plan
 from moelab.errors import ConfigError
 from moelab.schema import SchemaError, brief, read_yaml
-from moelab.train.plan import StageConfig, build_plan
 
 
 @dataclass(frozen=True)
@@ -254,8 +255,14 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    # pre-training -> mid-training -> ...: what changes at which step (train/plan.py)
+    # pre-training -> mid-training -> ...: what changes at which step (config/plan.py)
     stages: list[StageConfig] = field(default_factory=list)
+
+    @functools.cached_property
+    def plan(self) -> Plan:
+        """The stages resolved to absolute steps, built once per config (validation builds
+        it first, so a config that loaded has a plan that resolves)."""
+        return build_plan(self)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -509,7 +516,7 @@ def validate(config: Config) -> None:
              "data.short_len", f"must divide data.seq_len={d.seq_len} and be shorter than it "
              f"(the short windows of data.short_rows), got {d.short_len}")
     _validate_mesh(config)
-    build_plan(config)  # stages: order, ends, mixtures, shapes, LR restarts
+    _ = config.plan  # built once (cached): stages order, ends, mixtures, shapes, LR restarts
 
 
 def _validate_rope(model: ModelConfig, seq_len: int, where: str = "model",
