@@ -1,0 +1,176 @@
+"""Every committed pre-registration reproduces bitwise from what it holds (issue 41).
+
+A record (bench/results/<ladder>/<version>/preregistration.json) holds its inputs: every
+rung run's config, scores and whole-split curve (`rungs`), the target's config (`target`)
+and the fit options (`fit_options`). Each test rebuilds the ladder and the rungs' results
+from those alone and calls the function `moelab ladder run` writes the record with
+(runner.preregister) into a fresh directory; every value of the committed record must then
+come back bitwise (compared as JSON text, so 3.0 != 3 and no tolerance), except:
+
+- created_at and code_version (when and by which commit it was written), and the sha256,
+  which covers those two as well (prereg.record_sha256), so it cannot come back from a new
+  write. It is checked against the committed content instead (prereg.read): with every
+  other value equal, the record written today with the old created_at and code_version
+  hashes to the committed sha256 (where its format has not grown since, see below);
+- fields the record format gained after the record was written (ADDED): the recomputed
+  record has them, the committed one cannot; a committed field is never skipped. Likewise
+  a run's config gains the config fields added since (at their defaults, which keep old
+  configs' behaviour), and its config_sha256, a hash of the whole config, then differs.
+
+A fit option added after a record was written is given the value that reproduces the code
+of its time: the default, or LEGACY_OPTIONS where the default changed the numbers. So a new
+option (fit.misspecification, say) must default to the old behaviour, or these tests fail.
+
+The 1,000-refit bootstraps make a full recomputation 10-25 s of CPU per record, so the
+full check of every record is `slow`; the default run checks the newest record of each
+ladder with 10 refits, which reproduces every value but the bootstrap's (BOOTSTRAP_FIELDS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moelab.config import HOME_ENV, config_from_dict
+from moelab.data.loader import META_FILE
+from moelab.ladder import prereg
+from moelab.ladder.results import RunResult
+from moelab.ladder.runner import preregister
+from moelab.ladder.spec import FitOptions, LadderSpec, Rung
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+RECORDS = sorted(RESULTS.glob(f"*/*/{prereg.PREREG_FILE}"))
+# when and by which commit the record was written, and the hash that covers them
+BOOKKEEPING = ("created_at", "code_version", "sha256")
+# fit.repetition (2d08655) made "muennighoff" the default; the records written before it
+# counted every token the same
+LEGACY_OPTIONS = {"repetition": "none"}
+# Fields the record gained after some committed records were written ([] stands for any
+# list index; a trailing "." for every key below): the commit that added each
+ADDED = {
+    "fit_options.": "any fit option added since the record (LEGACY_OPTIONS or its default)",
+    "repetition": "2d08655 fit.repetition",
+    "laws.curve.fit.form": "954006a curve-law forms q | tissue",
+    "laws.curve.extrapolation": "5141065 the curve law's extrapolation checks",
+    "laws.curve.extrapolation.epochs": "954006a passes over the corpus",
+    "laws.curve.extrapolation.rungs_s1_max": "8253251 fit.stage_law",
+    "rungs[].matrix_lr": "c7be03f the width-scaled matrix lr in the run summary",
+    "target.matrix_lr": "c7be03f the width-scaled matrix lr in the run summary",
+    "rungs[].config.": "any config field added since the record",
+    "target.config.": "any config field added since the record",
+}
+# What the bootstrap's refits decide (the quick check draws 10 of them, not 1,000)
+BOOTSTRAP_FIELDS = {"bootstrap", "interval", "low", "high", "method"}
+QUICK_BOOTSTRAP = 10
+
+
+def record_id(path: Path) -> str:
+    return str(path.parent.relative_to(RESULTS))
+
+
+def newest_per_ladder(paths: list[Path]) -> list[Path]:
+    """The most recently written record of each ladder (its versions in one folder)."""
+    newest: dict[Path, tuple[str, Path]] = {}
+    for path in paths:
+        written = json.loads(path.read_text())["created_at"]
+        ladder = path.parent.parent
+        newest[ladder] = max(newest.get(ladder, (written, path)), (written, path))
+    return sorted(path for _, path in newest.values())
+
+
+def recompute(record: dict[str, Any], out: Path, monkeypatch, bootstrap: int | None = None
+              ) -> dict[str, Any]:
+    """The record `ladder run` writes today from `record`'s rungs, target and fit options."""
+
+    def rung(run: dict[str, Any]) -> Rung:
+        return Rung(run["name"], config_from_dict(run["config"]), run["point"], run["parent"],
+                    run["branch_step"])
+
+    fitted = {name for point in record["points"] for name in point["runs"]}
+    rungs = [rung(r) for r in record["rungs"] if r["name"] in fitted]
+    lr_runs = [rung(r) for r in record["rungs"] if r["name"] not in fitted]  # lr_check's
+    fields = [f.name for f in dataclasses.fields(RunResult)]
+    results = {r["name"]: RunResult(**{k: r[k] for k in fields}) for r in record["rungs"]}
+    options = {**LEGACY_OPTIONS, **record["fit_options"]}
+    if bootstrap is not None:
+        options["bootstrap"] = bootstrap
+    target = rung(record["target"])
+    # The corpus the laws counted passes over: its size is in the record (the curve law's
+    # epochs) where the code of its time read it; none prepared otherwise, as then.
+    home = out / "home"
+    monkeypatch.setenv(HOME_ENV, str(home))
+    epochs = record["laws"].get("curve", {}).get("extrapolation", {}).get("epochs")
+    if epochs:
+        data = home / target.config.data.path
+        data.mkdir(parents=True)
+        (data / META_FILE).write_text(json.dumps({
+            "vocab_size": 1, "eos_id": 0, "sources": ["train"],
+            "train_tokens": {"train": epochs["train_tokens"]}, "val_tokens": {"train": 0}}))
+    spec = LadderSpec(record["ladder"], out / "ladder", tuple(rungs), target,
+                      FitOptions(**options), tuple(lr_runs))
+    preregister(spec, [results[r.name] for r in rungs], [results[r.name] for r in lr_runs])
+    return json.loads((spec.out / prereg.PREREG_FILE).read_text())
+
+
+def compare(committed: Any, recomputed: Any, ignore: set[str], path: str = ""
+            ) -> tuple[list[str], list[str]]:
+    """(differences, fields only the recomputed record has: all of them in ADDED)."""
+    diffs: list[str] = []
+    added: list[str] = []
+    if isinstance(committed, dict) and isinstance(recomputed, dict):
+        config_grew = False  # "config" sorts before "config_sha256"
+        for key in sorted(committed.keys() | recomputed.keys()):
+            at = f"{path}.{key}" if path else key
+            if key in ignore or (key == "config_sha256" and config_grew):
+                continue
+            if key not in recomputed:
+                diffs.append(f"{at}: not in the recomputed record")
+            elif key not in committed:
+                shape = re.sub(r"\[\d+\]", "[]", at)
+                if any(shape == a or (a.endswith(".") and shape.startswith(a)) for a in ADDED):
+                    added.append(at)
+                else:
+                    diffs.append(f"{at}: not in the committed record")
+            else:
+                d, a = compare(committed[key], recomputed[key], ignore, at)
+                diffs, added = diffs + d, added + a
+                config_grew = config_grew or (key == "config" and bool(a))
+    elif isinstance(committed, list) and isinstance(recomputed, list) and (
+            len(committed) == len(recomputed)):
+        for i, (c, r) in enumerate(zip(committed, recomputed, strict=True)):
+            d, a = compare(c, r, ignore, f"{path}[{i}]")
+            diffs, added = diffs + d, added + a
+    elif json.dumps(committed) != json.dumps(recomputed):
+        diffs.append(f"{path}: committed {committed!r}, recomputed {recomputed!r}")
+    return diffs, added
+
+
+def check(path: Path, tmp_path: Path, monkeypatch, bootstrap: int | None = None) -> None:
+    committed = prereg.read(path)  # unedited since written: its sha256 covers its content
+    recomputed = recompute(committed, tmp_path, monkeypatch, bootstrap)
+    ignore = set(BOOKKEEPING) | (BOOTSTRAP_FIELDS if bootstrap else set())
+    diffs, _ = compare(committed, recomputed, ignore)
+    assert not diffs, f"{record_id(path)} does not reproduce:\n" + "\n".join(diffs[:20])
+
+
+def test_records_are_found():
+    """The glob finds the records the README's headline reports (a moved folder fails)."""
+    found = {record_id(p) for p in RECORDS}
+    assert {"ladder_default/v5", "ladder_blind/v1", "ladder_far/v2",
+            "ladder_staged/v3"} <= found
+
+
+@pytest.mark.parametrize("path", newest_per_ladder(RECORDS), ids=record_id)
+def test_newest_preregistration_reproduces(path, tmp_path, monkeypatch):
+    check(path, tmp_path, monkeypatch, QUICK_BOOTSTRAP)
+
+
+@pytest.mark.slow  # 10-25 s of CPU per record: 1,000 bootstrap refits of each law
+@pytest.mark.parametrize("path", RECORDS, ids=record_id)
+def test_preregistration_reproduces_bitwise(path, tmp_path, monkeypatch):
+    check(path, tmp_path, monkeypatch)
