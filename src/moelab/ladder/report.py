@@ -64,6 +64,9 @@ def build_report(spec: LadderSpec, record: dict[str, Any], actual: RunResult) ->
         "preregistration": {"file": prereg.PREREG_FILE, "created_at": record["created_at"],
                             "sha256": record["sha256"]},
         "code_version": record["code_version"],
+        # older pre-registrations counted neither (None)
+        "corpus": record.get("corpus"),
+        "passes": record.get("passes"),
         "wall_s": wall,
         "time_s": {"runs": seconds, "wall_total": wall,
                    "cpu_total": sum(t["cpu_s"] for t in seconds.values())},
@@ -99,6 +102,18 @@ def _stage_lines(stages: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _passes_lines(passes: dict[str, Any] | None, corpus: dict[str, Any] | None) -> list[str]:
+    """The target's and the rungs' passes per source, and the corpus's content hash."""
+    if not passes:
+        return []
+    cells = ", ".join(f"{s} {p:.2f} (rungs at most {passes['rungs_max'].get(s, 0.0):.2f})"
+                      for s, p in passes["target"].items())
+    note = (f"; past the rungs over {', '.join(passes['beyond_rungs'])}, accepted by "
+            "fit.accept_repetition" if passes["beyond_rungs"] else "")
+    return [f"- passes over each source's train tokens by the target's end: {cells}{note}; "
+            f"corpus {corpus['path']} (content sha256 `{corpus['content_sha256']}`)"]
+
+
 def markdown(report: dict[str, Any]) -> str:
     iv, noise = report["interval"], report["noise"]
     lines = [
@@ -121,6 +136,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- seed noise: sd {noise['seed_sd']:.4f} nats per run at the end ({noise['dof']} "
         f"dof, {noise['source']}); {noise['eval_sd']:.4f} per evaluation point",
         f"- target at {report['compute_ratio']:.1f}x the largest rung's compute",
+        *_passes_lines(report["passes"], report["corpus"]),
         "", f"Interval: {iv['method']}.", "",
         "| law | predicted | relative error | inside its interval |", "|---|---|---|---|"]
     for name, law in report["laws"].items():

@@ -17,7 +17,7 @@ from typing import Any
 from moelab.config import config_to_dict
 from moelab.errors import UserError
 from moelab.jobs import Job, run_jobs
-from moelab.ladder import prereg
+from moelab.ladder import prereg, repetition
 from moelab.ladder.predict import forecast
 from moelab.ladder.report import write_report
 from moelab.ladder.results import (
@@ -90,6 +90,7 @@ def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[Run
                             f"{path}; a prediction made now would not be a pre-registration. "
                             "Delete the target's directory to train it afresh")
         by_name = {r.name: r for r in [*results, *lr_results]}
+        passes = repetition.check(spec)  # refuses a target past the rungs' repetition
         record = {
             "kind": prereg.KIND, "ladder": spec.name, "created_at": prereg.utc_now(),
             **forecast(spec, results, lr_results),
@@ -100,6 +101,7 @@ def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[Run
             "target": {**spec.target.summary(), "config": config_to_dict(spec.target.config),
                        "config_sha256": hashes[spec.target.name]},
             "code_version": prereg.code_version(),
+            "corpus": repetition.corpus(spec), "passes": passes,
         }
         if prereg.write_once(path, record):
             p = record["prediction"]

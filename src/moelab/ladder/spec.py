@@ -77,6 +77,10 @@ class FitOptions:
     # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
     # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
     metric: str = "loss"
+    # true: pre-register a target that passes over some source more often than every rung
+    # did (and more than once), a regime the rungs never measured; false: refuse it
+    # (moelab.ladder.repetition)
+    accept_repetition: bool = False
 
 
 @dataclass(frozen=True)
@@ -291,6 +295,9 @@ def _fit_options(raw: Any) -> FitOptions:
         raise ConfigError(f"fit.stage_law: {options.stage_law!r} is not one of {list(laws)}")
     if not isinstance(options.stage_gain, bool):
         raise ConfigError(f"fit.stage_gain: must be true or false, got {options.stage_gain!r}")
+    if not isinstance(options.accept_repetition, bool):
+        raise ConfigError(f"fit.accept_repetition: must be true or false, got "
+                          f"{options.accept_repetition!r}")
     if options.repetition not in ("muennighoff", "none"):
         raise ConfigError(f"fit.repetition: {options.repetition!r} is not one of "
                           "['muennighoff', 'none']")

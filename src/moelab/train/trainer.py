@@ -30,6 +30,7 @@ from moelab.config import (
     data_dir,
 )
 from moelab.data.loader import Loader, StagedLoader, read_meta
+from moelab.data.passes import passes_lines, plan_passes
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.eval.bpb import domain_metrics, tokenizer_bytes
 from moelab.model import Transformer
@@ -135,6 +136,8 @@ class Trainer:
         if self.plan.staged:
             check_sources(self.plan, self.loader.sources)
             self.loader = StagedLoader(data_dir, self.plan.stages, d.seed)
+        for line in passes_lines(plan_passes(self.loader.meta, self.plan, d.max_epochs or None)):
+            print(f"train tokens, {line}")
         # val keeps the run's seq_len and batch in every stage: one yardstick for the curve
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
