@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     def command(name: str, help_: str, func) -> argparse.ArgumentParser:
         p = commands.add_parser(name, help=help_)
         p.add_argument("spec", type=Path, help="ladder spec YAML, or a preset name: the specs "
-                       "in the repository's configs/ladder/ (default, blind)")
+                       "in the repository's configs/ladder/dev/ and heldout/ (default, blind, ...)")
         p.add_argument("--out", type=Path, default=None,
                        help="ladder directory (default: the spec's out, else runs/ladder/<name>)")
         p.set_defaults(func=func)

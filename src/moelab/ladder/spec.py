@@ -413,14 +413,15 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
 
 # The ladder presets are the specs in the repository's configs/ladder/ (they name their
 # committed results), found beside the source tree: a checkout installed with `pip install
-# -e .`, as the README's set-up does. A name that is not a file is looked up there.
+# -e .`, as the README's set-up does. A name that is not a file is looked up there, in its
+# dev/ (the specs methods are chosen on) and heldout/ (written before they ran) folders.
 LADDER_PRESETS = Path(__file__).resolve().parents[3] / "configs" / "ladder"
 
 
 def load_spec(path: str | Path, out: str | Path | None = None) -> LadderSpec:
     """A ladder spec from a YAML file or a preset name (`default` is
-    configs/ladder/default.yaml, see LADDER_PRESETS)."""
-    presets = {p.stem: p for p in sorted(LADDER_PRESETS.glob("*.yaml"))}
+    configs/ladder/dev/default.yaml, see LADDER_PRESETS)."""
+    presets = {p.stem: p for p in sorted(LADDER_PRESETS.glob("*/*.yaml"))}
     path = preset_or_file(path, presets, "ladder spec")
     if not path.is_file():
         raise ConfigError(f"ladder spec {path} does not exist")
