@@ -29,10 +29,10 @@ from moelab.config import (
     config_to_dict,
     data_dir,
 )
-from moelab.data.loader import Loader, StagedLoader, read_meta
+from moelab.data.loader import Loader, StagedLoader, read_meta, source_weights
 from moelab.data.passes import passes_lines, plan_passes
 from moelab.errors import DivergenceError, Interrupted, UserError
-from moelab.eval.bpb import domain_metrics, tokenizer_bytes
+from moelab.eval.bpb import LOSS_PREFIX, domain_metrics, tokenizer_bytes
 from moelab.model import Transformer
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
@@ -55,7 +55,12 @@ from moelab.train.rundir import (
     save_config,
 )
 from moelab.train.runlog import RunLog, check_snapshot
-from moelab.train.spikes import SpikeDetector, diverging, plausible_loss_bound
+from moelab.train.spikes import (
+    OverfitDetector,
+    SpikeDetector,
+    diverging,
+    plausible_loss_bound,
+)
 from moelab.train.step import make_eval_step, make_train_step
 
 FAULT_ENV = "MOELAB_FAULT_AT_STEP"  # test hook: SIGKILL this process when reaching that step
@@ -165,6 +170,7 @@ class Trainer:
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
+        self.overfit = OverfitDetector()
         permanent = self.plan.starts() if t.keep_stage_checkpoints else []
         self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, permanent=permanent)
         self.log = RunLog(run_dir, experiment, config_to_dict(cfg),
@@ -210,6 +216,8 @@ class Trainer:
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
             self.detectors[name].load_state_dict(state)
+        if "overfit" in meta:  # a checkpoint of an older moelab starts it afresh
+            self.overfit.load_state_dict(meta["overfit"])
         self.log.rewind_to(step)
         self.log.event(step, "resume", f"resumed from checkpoint at step {step}")
         print(f"resumed from checkpoint at step {step}")
@@ -315,7 +323,8 @@ class Trainer:
             self._refuse_save(refused)
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
-                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()}}
+                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
+                 "overfit": self.overfit.state_dict()}
         try:
             self.ckpt.save(self.step, self.model, self.opt_state, state)
         except DivergenceError as err:
@@ -456,8 +465,10 @@ class Trainer:
         record = self._record(parts, self.lr(step - 1), tokens_per_s, stage)
         self._check_finite(step, record)
         self._flag_spikes(step, record)
+        self.overfit.step(record["ce"])
         if evaluate:
             record.update(self.evaluate())
+            self._flag_overfit(step, record, stage)
         self.log.step(step, record)
         return record
 
@@ -495,6 +506,26 @@ class Trainer:
             if flag:
                 self.log.event(step, flag, f"{name} = {record[name]:.4g} flagged as {flag}")
                 record[f"{flag}/{name}"] = 1.0
+
+    def _flag_overfit(self, step: int, record: dict, stage: Stage) -> None:
+        """The train-validation gap (the validation loss weighted as the stage draws its
+        sources, minus the mean training CE since the last evaluation) and an `overfit`
+        event for each source whose validation loss rose over the last evaluations while
+        the training loss fell (spikes.OverfitDetector)."""
+        val = {k.removeprefix(LOSS_PREFIX): v for k, v in record.items()
+               if k.startswith(LOSS_PREFIX)}
+        train, sources = self.overfit.evaluate(val)
+        if train is None:
+            return
+        weights = source_weights(self.loader.meta, stage.mixture)
+        record["train_val_gap"] = sum(w * val[s] for s, w in weights.items() if s in val) - train
+        for source in sources:
+            first, k = self.overfit.history[0], self.overfit.evals  # the span's start
+            message = (f"{LOSS_PREFIX}{source} rose at each of the last {k} evaluations "
+                       f"({first[1][source]:.4g} -> {val[source]:.4g}) while the training "
+                       f"loss fell ({first[0]:.4g} -> {train:.4g}): overfitting")
+            self.log.event(step, "overfit", message)
+            record[f"overfit/{source}"] = 1.0
 
     def _maybe_fault(self) -> None:
         if os.environ.get(FAULT_ENV) == str(self.step):
