@@ -115,3 +115,41 @@ def test_a_one_stage_run_counts_its_capped_mixture(tmp_path):
     (capped,) = plan_passes(meta, build_plan(cfg), max_epochs=0.5)
     assert capped["tokens"] == pytest.approx({"code": 3120, "prose": 2000})
     assert capped["cumulative"]["prose"] == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- the ladder corpus
+
+
+def test_the_ladder_corpus_preset_resolves_to_fixed_settings(tmp_path, monkeypatch, capsys):
+    """`moelab data prepare --preset ladder` (its sources swapped for a few stdlib files,
+    the default ones take minutes): written at the preset's data.path under $MOELAB_HOME
+    with no per-source cap and long files split; a ladder spec on that path names its
+    content sha256; before it exists, training and `ladder plan` say how to prepare it;
+    an option the preset fixes, set otherwise, is refused in one line."""
+    import sysconfig
+
+    from moelab.data import prepare
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    monkeypatch.setenv("MOELAB_HOME", str(tmp_path / "home"))
+    monkeypatch.setitem(prepare.SOURCE_PRESETS, "default",
+                        {"code": [f"{stdlib}/json/*.py"],
+                         "prose": ["/usr/share/common-licenses/*"]})
+    raw = two_stage_spec("runs/data/ladder", accept_repetition=True)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["ladder", "plan", str(path)]) == 0
+    assert "run `moelab data prepare --preset ladder` once" in capsys.readouterr().out
+
+    assert cli.main(["data", "prepare", "--preset", "ladder", "--max-docs", "400"]) == 2
+    assert "--preset ladder fixes --max-docs to None; drop --max-docs 400" in \
+        capsys.readouterr().err
+    assert cli.main(["data", "prepare", "--preset", "ladder", "--workers", "1"]) == 0
+    meta = json.loads((tmp_path / "home/runs/data/ladder/meta.json").read_text())
+    settings = meta["settings"]
+    assert settings["max_docs_per_source"] is None and settings["long_files"] == "split"
+    assert settings["max_chars"] == 1_000_000 and settings["vocab_size"] == 4096
+    assert settings["sources"]["code"] == prepare.SOURCE_PRESETS["default"]["code"]
+    capsys.readouterr()
+    assert cli.main(["ladder", "plan", str(path)]) == 0
+    assert f"content sha256 {meta['content_sha256']}" in capsys.readouterr().out

@@ -22,7 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare = commands.add_parser(
         "prepare", help="ingest, deduplicate, train a tokenizer and write token shards"
     )
-    prepare.add_argument("--out", required=True, help="dataset directory to write")
+    prepare.add_argument("--out", default=None, help="dataset directory to write (with "
+                         "--preset: default, the preset's data.path under $MOELAB_HOME)")
+    prepare.add_argument("--preset", choices=sorted(CORPUS_PRESET_NAMES), default=None,
+                         help="a named corpus, every setting fixed (ladder: the default sources "
+                         "without the 400-file cap, ~35M train tokens; data.path "
+                         "runs/data/ladder)")
     prepare.add_argument(
         "--source", action="append", default=[], metavar="NAME=GLOB",
         help="files of one source; repeat for more sources or more globs of one source, "
@@ -166,9 +171,44 @@ def parse_quality(specs: list[str]) -> dict[str, list[float | None]]:
     return thresholds
 
 
+# The options a corpus preset fixes: {prepare()'s keyword: (its argparse dest, its flag)}.
+PRESET_OPTIONS = {"vocab_size": ("vocab_size", "--vocab-size"),
+                  "near_dup_threshold": ("near_dup_threshold", "--near-dup-threshold"),
+                  "val_fraction": ("val_fraction", "--val-fraction"),
+                  "min_chars": ("min_chars", "--min-chars"),
+                  "max_docs_per_source": ("max_docs", "--max-docs"),
+                  "max_chars": ("max_chars", "--max-chars"),
+                  "long_files": ("long_files", "--long-files")}
+CORPUS_PRESET_NAMES = ("ladder",)  # moelab.data.prepare.CORPUS_PRESETS (imported lazily)
+
+
+def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """args with --preset's sources, settings and (unless given) --out filled in; an option
+    that the preset fixes given another value is refused, so a preset's name always means
+    the same settings."""
+    from moelab.config import data_dir
+    from moelab.data.prepare import CORPUS_PRESETS
+
+    preset = CORPUS_PRESETS[args.preset]
+    if args.source or args.sources or args.quality:
+        raise UserError(f"--preset {args.preset} fixes the sources and quality thresholds; "
+                        "drop --source/--sources/--quality, or drop --preset")
+    for key, value in preset["settings"].items():
+        dest, flag = PRESET_OPTIONS[key]
+        if getattr(args, dest) != value:
+            raise UserError(f"--preset {args.preset} fixes {flag} to {value}; drop {flag} "
+                            f"{getattr(args, dest)}, or drop --preset")
+    out = args.out or str(data_dir(preset["path"]))
+    return argparse.Namespace(**{**vars(args), "sources": preset["sources"], "out": out})
+
+
 def run_prepare(args: argparse.Namespace) -> int:
     from moelab.data.prepare import SOURCE_PRESETS, prepare
 
+    if args.preset:
+        args = apply_preset(args)
+    if args.out is None:
+        raise UserError("--out: give the dataset directory to write (or a --preset)")
     if Path(args.out).exists() and not Path(args.out).is_dir():  # before hours of ingest
         raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
     sources = parse_sources(args.source)

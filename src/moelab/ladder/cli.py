@@ -99,7 +99,7 @@ def _print_passes(spec) -> None:
     try:
         rep = repetition.repetition(spec)
     except UserError as err:
-        print(f"passes per source: unknown until the data is prepared ({err})")
+        print(f"passes per source: not counted ({err})")
         return
     corpus = repetition.corpus(spec)
     print(f"passes over each source's train tokens, per stage (in the stage, and by its end); "

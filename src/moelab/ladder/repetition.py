@@ -19,6 +19,7 @@ from typing import Any
 from moelab.config import data_dir
 from moelab.data.loader import read_meta
 from moelab.data.passes import max_passes, plan_passes
+from moelab.data.prepare import check_preset_prepared
 from moelab.errors import UserError
 from moelab.ladder.spec import LadderSpec, Rung
 from moelab.train.plan import build_plan
@@ -32,6 +33,7 @@ MARGIN = 0.1
 def run_passes(rung: Rung) -> list[dict[str, Any]]:
     """Per stage of the run's plan: its passes over each source (moelab.data.passes)."""
     cfg = rung.config
+    check_preset_prepared(cfg.data.path)
     meta = read_meta(data_dir(cfg.data.path))
     return plan_passes(meta, build_plan(cfg), cfg.data.max_epochs or None)
 

@@ -83,6 +83,9 @@ def prepared_data(cfg: Config) -> Path:
                               "rerun the same command to resume it") from None
         print(f"corpus ready: {path}, content sha256 "
               f"{read_meta(path).get('content_sha256', 'unknown')}", flush=True)
+    from moelab.data.prepare import check_preset_prepared
+
+    check_preset_prepared(cfg.data.path)
     here = Path(cfg.data.path)
     if not (path / "meta.json").exists() and (here / "meta.json").exists() and here != path:
         raise ConfigError(f"data.path: {cfg.data.path!r} means {path} (relative paths live "
