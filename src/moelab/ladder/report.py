@@ -67,6 +67,11 @@ def build_report(spec: LadderSpec, record: dict[str, Any], actual: RunResult) ->
         # older pre-registrations counted neither (None)
         "corpus": record.get("corpus"),
         "passes": record.get("passes"),
+        # fit.misspecification (None before it): the backtests' coverage of their intervals,
+        # how the law was chosen, whether the laws disagree by more than the interval
+        "coverage": record.get("coverage"),
+        "law_choice": record.get("law_choice"),
+        "laws_disagree": p.get("laws_disagree"),
         "wall_s": wall,
         "time_s": {"runs": seconds, "wall_total": wall,
                    "cpu_total": sum(t["cpu_s"] for t in seconds.values())},
@@ -114,6 +119,23 @@ def _passes_lines(passes: dict[str, Any] | None, corpus: dict[str, Any] | None) 
             f"corpus {corpus['path']} (content sha256 `{corpus['content_sha256']}`)"]
 
 
+def _misspec_lines(report: dict[str, Any]) -> list[str]:
+    """The law's choice, the backtests' coverage and the laws' disagreement, if recorded."""
+    lines = []
+    if report["law_choice"]:
+        c = report["law_choice"]
+        rates = ", ".join(f"{k} {v:.4f}" for k, v in c["rates"].items() if v is not None)
+        lines.append(f"- law `{c['chosen']}` ({c['rule']}; misspecification rate per ln C: "
+                     f"{rates})")
+    cov = report["coverage"]
+    if cov and cov["n"]:
+        lines.append(f"- coverage over the rungs' extrapolating backtests: {cov['measured']:.0%}"
+                     f" inside their {cov['nominal']:.0%} intervals (n = {cov['n']})")
+    if report["laws_disagree"]:
+        lines.append(f"- {report['laws_disagree']['note']}")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     iv, noise = report["interval"], report["noise"]
     lines = [
@@ -137,6 +159,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"dof, {noise['source']}); {noise['eval_sd']:.4f} per evaluation point",
         f"- target at {report['compute_ratio']:.1f}x the largest rung's compute",
         *_passes_lines(report["passes"], report["corpus"]),
+        *_misspec_lines(report),
         "", f"Interval: {iv['method']}.", "",
         "| law | predicted | relative error | inside its interval |", "|---|---|---|---|"]
     for name, law in report["laws"].items():

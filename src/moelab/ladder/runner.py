@@ -108,6 +108,8 @@ def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[Run
             print(f"[ladder {spec.name}] pre-registered {path}: target val_loss "
                   f"{p['value']:.4f} [{p['low']:.4f}, {p['high']:.4f}] "
                   f"({p['confidence']:.0%}, law {p['law']})", flush=True)
+            if p.get("laws_disagree", {}).get("exceeds"):
+                print(f"[ladder {spec.name}] {p['laws_disagree']['note']}", flush=True)
     record = read_preregistration(spec)
     if experiment:
         _register_in_lab(spec, record, experiment)

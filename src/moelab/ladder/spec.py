@@ -58,7 +58,9 @@ class FitOptions:
     confidence: float = 0.9  # two-sided coverage of the interval
     seed: int = 0  # of the bootstrap's resampling
     noise_sd: float | None = None  # per-run seed sd (nats) when the spec has no replicates
-    law: str = "chinchilla"  # whose value is the prediction: chinchilla | compute | curve
+    # whose value is the prediction: chinchilla | compute | curve | backtest (the law with
+    # the smallest extrapolation error in the rungs' backtests; needs misspecification)
+    law: str = "chinchilla"
     # the whole-curve law's form (moelab.ladder.curve): "q" (chosen by the rung-only
     # backtests of bench/curve_law_study.py) or "tissue" (Tissue et al. 2024's)
     curve_law: str = "q"
@@ -81,6 +83,12 @@ class FitOptions:
     # did (and more than once), a regime the rungs never measured; false: refuse it
     # (moelab.ladder.repetition)
     accept_repetition: bool = False
+    # true: every law's interval adds a misspecification term estimated from the ladder's
+    # own extrapolating backtests, scaled by the target's distance past the top compute
+    # level (moelab.ladder.misspec), and the record states the backtests' coverage and
+    # whether the laws disagree by more than the interval; `law: backtest` then picks the
+    # law with the smallest backtest error rate. false: seed noise only (specs before it)
+    misspecification: bool = False
 
 
 @dataclass(frozen=True)
@@ -289,8 +297,14 @@ def _fit_options(raw: Any) -> FitOptions:
     if options.metric not in ("loss", "bpb_macro"):
         raise ConfigError(f"fit.metric: {options.metric!r} is not one of ['loss', 'bpb_macro']")
     laws = ("chinchilla", "compute", "curve")
-    if options.law not in laws:
-        raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
+    if not isinstance(options.misspecification, bool):
+        raise ConfigError(f"fit.misspecification: must be true or false, got "
+                          f"{options.misspecification!r}")
+    if options.law == "backtest" and not options.misspecification:
+        raise ConfigError("fit.law: backtest chooses by the misspecification backtests; set "
+                          "fit.misspecification: true, or name the law")
+    if options.law not in (*laws, "backtest"):
+        raise ConfigError(f"fit.law: {options.law!r} is not one of {[*laws, 'backtest']}")
     if options.stage_law is not None and options.stage_law not in laws:
         raise ConfigError(f"fit.stage_law: {options.stage_law!r} is not one of {list(laws)}")
     if not isinstance(options.stage_gain, bool):
