@@ -94,3 +94,46 @@ def test_coverage_scores_each_backtest_against_its_leave_one_out_interval():
     assert misspec.disagreement(laws, "a")["exceeds"]  # 0.3 apart, interval 0.2 wide
     laws["b"]["value"] = 3.1
     assert not misspec.disagreement(laws, "a")["exceeds"]
+
+
+def synthetic_report(ratio: float, stages: list[tuple[str, float, float, float, float]],
+                     backtests: list[bool]) -> dict:
+    """A ladder report as build_report writes it: (name, predicted, actual, low, high) per
+    stage end, and the rungs' backtests inside their intervals or not."""
+    scored = [{"name": n, "index": i, "predicted": p, "actual": a,
+               "interval": {"low": lo, "high": hi, "confidence": 0.9},
+               "relative_error": (p - a) / a, "within_interval": lo <= a <= hi}
+              for i, (n, p, a, lo, hi) in enumerate(stages)]
+    return {"compute_ratio": ratio, "law": "chinchilla", "stages": scored,
+            "curve_median_abs_rel_error": 0.01, "preregistration": {"sha256": "x"},
+            "coverage": {"backtests": [{"inside": b} for b in backtests]},
+            "passes": {"target_max": 0.4}, "corpus": {"content_sha256": "c0ffee"}}
+
+
+def test_the_heldout_table_has_the_issues_schema_and_keeps_old_entries():
+    """Two specs: 2 + 3 stage ends (4 of 5 inside) and 2 + 1 backtests (2 of 3 inside):
+    coverage 6 of 8. Run again, a spec replaces its own entry; the other stays."""
+    from moelab.ladder import heldout
+
+    a = heldout.entry("a", synthetic_report(16.3, [("", 3.0, 3.03, 2.9, 3.1),
+                                                   ("decay", 2.8, 2.9, 2.7, 2.85)],
+                                            [True, False]))
+    b = heldout.entry("b", synthetic_report(30.5, [("s0", 3.0, 3.0, 2.9, 3.1),
+                                                   ("s1", 2.9, 2.95, 2.8, 3.0),
+                                                   ("s2", 2.7, 2.72, 2.6, 2.8)], [True]))
+    t = heldout.table([a, b])
+    assert [s["name"] for s in t["specs"]] == ["a", "b"]
+    first = t["specs"][0]
+    assert first["target_over_largest_rung"] == 16.3 and first["corpus"] == "c0ffee"
+    assert first["stages"][0]["name"] == "stage 0" and first["stages"][1]["name"] == "decay"
+    assert set(first["stages"][1]) >= {"name", "predicted", "actual", "interval",
+                                       "relative_error"}
+    assert first["stages"][1]["interval"] == {"low": 2.7, "high": 2.85}
+    assert first["stages"][1]["relative_error"] == pytest.approx((2.8 - 2.9) / 2.9)
+    assert first["curve_median_abs_rel_error"] == 0.01
+    assert t["coverage"] == {"nominal": 0.9, "n": 8, "measured": 6 / 8, "n_backtests": 3,
+                             "n_targets": 5}
+    again = heldout.entry("a", synthetic_report(16.3, [("", 3.0, 3.0, 2.9, 3.1)], []))
+    t2 = heldout.table([again], t)
+    assert [s["name"] for s in t2["specs"]] == ["a", "b"] and len(t2["specs"][0]["stages"]) == 1
+    assert t2["coverage"]["n"] == 5
