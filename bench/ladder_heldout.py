@@ -7,12 +7,12 @@ Each spec runs with `moelab ladder run`'s code (runs already finished in its out
 are only read; its pre-registration is written before its target trains and never again),
 one after another: on 2 idle cores a 16x spec takes ~30 min and the 30x one ~60 min. With
 --ray each spec's runs are Ray tasks (a branch after its parent, the target after the
-pre-registration). Writes bench/results/ladder_heldout.json (moelab.ladder.heldout): per
-spec its stage ends predicted vs actual with their 90% intervals and the curve's median
-error; the coverage of the intervals over the rungs' extrapolating backtests and the
-targets' stage ends. Entries of specs not run this time stay in the table. Timings in the
-reports are claims about the machine, so a busy machine is refused as by the other
-benchmarks.
+pre-registration). Writes bench/results/ladder_heldout/ladder_heldout.json
+(moelab.ladder.heldout): per spec its stage ends predicted vs actual with their 90%
+intervals and the curve's median error; the coverage of the intervals over the rungs'
+extrapolating backtests and the targets' stage ends. Entries of specs not run this time
+stay in the table. Timings in the reports are claims about the machine, so a busy machine
+is refused as by the other benchmarks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from moelab.ladder import heldout
 from moelab.ladder.runner import run_ladder
 from moelab.ladder.spec import LADDER_PRESETS, load_spec
 
-RESULTS = Path(__file__).parent / "results" / "ladder_heldout.json"
+RESULTS = Path(__file__).parent / "results" / "ladder_heldout" / "ladder_heldout.json"
 SPECS = LADDER_PRESETS / "heldout"
 
 

@@ -10,8 +10,8 @@ widths (ideally 1: the spec's own LR). Each width trains `--steps` steps with th
 recipe (its stage plan at the same fractions, its first seed) at the rule's LR times each
 of `--factors`, scored on the whole validation split at the end (the ladder's evaluator).
 Runs live in runs/width_transfer/<spec>/ and a finished one is only read. Writes
-bench/results/width_transfer.json: per width its d_model, the rule's LR and matrix LR,
-each LR's final loss, the optimum and its factor against the rule; and
+bench/results/width_transfer/width_transfer.json: per width its d_model, the rule's LR and
+matrix LR, each LR's final loss, the optimum and its factor against the rule; and
 `optimum_factor_ratio` (target's optimum factor over the narrow rung's: 1 when the rule
 transfers). 2 widths x 5 LRs short runs: ~20-40 min on 2 idle cores at the default steps.
 """
@@ -29,7 +29,7 @@ from moelab.ladder.runner import ensure_trained
 from moelab.ladder.spec import LadderSpec, Rung, load_spec, merge
 from moelab.train.optimizer import width_factor
 
-RESULTS = Path(__file__).parent / "results" / "width_transfer.json"
+RESULTS = Path(__file__).parent / "results" / "width_transfer" / "width_transfer.json"
 FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 

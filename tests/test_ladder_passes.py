@@ -104,15 +104,14 @@ def test_a_one_stage_run_counts_its_capped_mixture(tmp_path):
     from moelab.config import config_from_dict
     from moelab.data.loader import read_meta
     from moelab.data.passes import plan_passes
-    from moelab.train.plan import build_plan
 
     data = fake_corpus(tmp_path / "data")
     cfg = config_from_dict(tiny_config(data, data={"mixture": {"code": 1, "prose": 3}},
                                        train={"steps": 40}))
     meta = read_meta(data)
-    (only,) = plan_passes(meta, build_plan(cfg))
+    (only,) = plan_passes(meta, cfg.plan)
     assert only["tokens"] == pytest.approx({"code": 1280, "prose": 3840})
-    (capped,) = plan_passes(meta, build_plan(cfg), max_epochs=0.5)
+    (capped,) = plan_passes(meta, cfg.plan, max_epochs=0.5)
     assert capped["tokens"] == pytest.approx({"code": 3120, "prose": 2000})
     assert capped["cumulative"]["prose"] == pytest.approx(0.5)
 

@@ -22,7 +22,6 @@ from moelab.data.passes import max_passes, plan_passes
 from moelab.data.prepare import check_preset_prepared
 from moelab.errors import UserError
 from moelab.ladder.spec import LadderSpec, Rung
-from moelab.train.plan import build_plan
 
 # A target may pass over a source up to this factor more often than the rungs' most before
 # it is "past the rungs": the rungs' counts are exact, so this is room for a spec whose
@@ -35,7 +34,7 @@ def run_passes(rung: Rung) -> list[dict[str, Any]]:
     cfg = rung.config
     check_preset_prepared(cfg.data.path)
     meta = read_meta(data_dir(cfg.data.path))
-    return plan_passes(meta, build_plan(cfg), cfg.data.max_epochs or None)
+    return plan_passes(meta, cfg.plan, cfg.data.max_epochs or None)
 
 
 def corpus(spec: LadderSpec) -> dict[str, Any]:
