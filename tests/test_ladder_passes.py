@@ -85,6 +85,11 @@ def test_a_target_past_the_rungs_repetition_is_refused_unless_accepted(tmp_path)
                        r".*set fit.accept_repetition: true") as err:
         repetition.check(spec)
     assert "\n" not in str(err.value)
+    from moelab.ladder.runner import run_ladder
+
+    with pytest.raises(UserError, match="past what the rungs measured"):
+        run_ladder(spec)  # refused before any rung trains
+    assert not (tmp_path / "ladder").exists()
     accepted = spec_from_dict(two_stage_spec(data, accept_repetition=True), "ok", tmp_path)
     assert repetition.check(accepted)["accepted"] is True
     # 50 steps (the switch at round(37.5) = 38): prose 76 + 36 rows = 3584 tokens, 0.896

@@ -164,6 +164,11 @@ def run_ladder(spec: LadderSpec, experiment: str | None = None, ray: str | None 
     which waits for every rung. Either way each run trains with the same config and seed,
     so the numbers are the same."""
 
+    from moelab.train import trainer
+
+    trainer.prepared_data(spec.target.config)  # the corpus whose passes are counted
+    if not (spec.out / prereg.PREREG_FILE).exists():  # else it was decided when registered
+        repetition.check(spec)  # a target past the rungs' repetition: refused before they train
     spec.out.mkdir(parents=True, exist_ok=True)
     before = spec.rungs + spec.lr_runs
     done = train_runs([(spec, before)], experiment, ray, cpus, **ray_options)
