@@ -2,6 +2,7 @@
 Moonlight's RMS matching), DeepSeek-V3 group-limited routing, balance health, upcycling."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -140,3 +141,50 @@ def test_group_limited_routing_matches_deepseek_v3(n_group, topk_group):
         assert np.any(np.sort(np.asarray(plain.experts), -1) != ours)
         group = np.asarray(routing.experts) // (16 // n_group)
         assert all(len(set(g)) <= topk_group for g in group.reshape(-1, moe.top_k))
+
+
+# ----------------------------------------------------------------------- balance health
+
+
+def test_dead_experts_are_counted_and_announced_once_across_a_muon_resume(tmp_path,
+                                                                          small_corpus):
+    """Experts 2 and 3 of every MoE layer are shut out by a fixed selection bias of -10
+    (scores lie in [0, 1]; bias_rate 0 keeps it): with a window of 3 steps both die at
+    step 3, one event each. The run uses Muon and resumes from step 4 after losing its
+    last checkpoint: the losses are bitwise those of the first pass (the Muon state is in
+    the checkpoint) and no death is announced twice (the idle counters are too). The same
+    run without the bias (balanced by the aux loss) reports no dead expert."""
+    import shutil
+
+    import equinox as eqx
+    import jax.numpy as jnp
+    from conftest import events, losses, tiny_config
+
+    from moelab.train.trainer import Trainer
+
+    raw = tiny_config(small_corpus, moe={"balance": "bias_sign", "bias_rate": 0.0},
+                      optim={"name": "muon"},
+                      train={"steps": 8, "dead_expert_window": 3, "eval_every": 8,
+                             "checkpoint_every": 4, "keep_checkpoints": 2})
+    cfg = config_from_dict(raw)
+    run = tmp_path / "forced"
+    trainer = Trainer(cfg, run)
+    bias = jnp.zeros_like(trainer.model.moe_layers.ffn.bias).at[:, 2:].set(-10.0)
+    trainer.model = eqx.tree_at(lambda m: m.moe_layers.ffn.bias, trainer.model, bias)
+    trainer.run()
+    first = losses(run)
+    dead = [(e["step"], e["message"][:18]) for e in events(run) if e["kind"] == "expert_dead"]
+    assert dead == [(3, "layer 0 expert 2 r"), (3, "layer 0 expert 3 r"),
+                    (3, "layer 1 expert 2 r"), (3, "layer 1 expert 3 r")]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["dead_experts/layer_0"] for r in rows] == [0, 0, 2, 2, 2, 2, 2, 2]
+    shutil.rmtree(run / "checkpoints" / "8")
+    Trainer(cfg, run).run()
+    assert losses(run) == first
+    assert [e["step"] for e in events(run) if e["kind"] == "expert_dead"] == [3] * 4
+
+    balanced = tmp_path / "balanced"  # the same config (its programs are compiled) unbiased
+    Trainer(cfg, balanced).run()
+    assert not [e for e in events(balanced) if e["kind"].startswith("expert_")]
+    rows = [json.loads(line) for line in (balanced / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["dead_experts/layer_1"] == 0 for r in rows) and len(rows) == 8
