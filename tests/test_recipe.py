@@ -188,3 +188,24 @@ def test_dead_experts_are_counted_and_announced_once_across_a_muon_resume(tmp_pa
     assert not [e for e in events(balanced) if e["kind"].startswith("expert_")]
     rows = [json.loads(line) for line in (balanced / "metrics.jsonl").read_text().splitlines()]
     assert all(r["dead_experts/layer_1"] == 0 for r in rows) and len(rows) == 8
+
+
+def test_health_is_charted_on_the_report_and_site_with_deaths_marked(tmp_path):
+    from moelab.lab.site import publish, write_report
+    from moelab.lab.store import Store
+
+    with Store(tmp_path / "lab.sqlite") as store:
+        exp = store.new_experiment("health", "an expert dies", {}, None)
+        run = store.start_run(exp, "runs/health", {})
+        for step in range(1, 11):
+            store.log_metrics(run, step, {"loss": 3.0, "dead_experts/layer_0": float(step >= 5),
+                                          "dead_experts/layer_1": 0.0,
+                                          "router_entropy/layer_0": 1.2})
+        store.log_event(run, 5, "expert_dead", "layer 0 expert 3 received no token for 4 steps")
+        names = {p.name for p in write_report(store, exp, tmp_path / "report")}
+        publish(store, tmp_path / "site")
+    assert {"dead_experts.png", "router_entropy.png"} <= names
+    for page in (tmp_path / "report/report.html", tmp_path / f"site/experiments/{exp}.html"):
+        text = page.read_text()
+        assert 'data-chart="dead_experts"' in text and "dead_experts/layer_1" in text
+        assert "expert_dead" in text  # the event, drawn on the charts
