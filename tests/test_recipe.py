@@ -209,3 +209,54 @@ def test_health_is_charted_on_the_report_and_site_with_deaths_marked(tmp_path):
         text = page.read_text()
         assert 'data-chart="dead_experts"' in text and "dead_experts/layer_1" in text
         assert "expert_dead" in text  # the event, drawn on the charts
+
+
+# ---------------------------------------------------------------------------- upcycling
+
+
+DENSE = dataclasses.replace(MODEL, n_dense_layers=MODEL.n_layers, d_ff_dense=48)
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "router"])
+def test_upcycled_model_without_noise_computes_the_dense_model(uniform):
+    """Every expert is the dense FFN and the k routed weights sum to 1, so the MoE's
+    output is the dense FFN's whatever the routing (uniform, or the fresh router's)."""
+    from moelab.model.upcycle import upcycle, upcycled_config
+
+    dense = Transformer.init(DENSE, MoEConfig(), jax.random.key(0))
+    moe = MoEConfig(n_experts=4, top_k=2, uniform_routing=uniform)
+    sparse = upcycle(dense, upcycled_config(DENSE, 48), moe, jax.random.key(1), noise=0.0)
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, DENSE.vocab_size)
+    want, got = np.asarray(dense(tokens)[0]), np.asarray(sparse(tokens)[0])
+    assert sparse.dense_layers is None and sparse.moe_layers.ffn.experts.w_gate.shape == (
+        2, 4, 32, 48)
+    # float32: w1 f + w2 f vs f, w1 + w2 = 1 up to rounding: ~1e-7 relative to logits ~0.1
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+    noisy = upcycle(dense, upcycled_config(DENSE, 48), moe, jax.random.key(1), noise=0.01)
+    assert np.max(np.abs(np.asarray(noisy(tokens)[0]) - want)) > 1e-5
+
+
+def test_upcycle_cli_writes_a_run_with_lineage_that_trains(tmp_path, small_corpus):
+    from conftest import events, losses, tiny_config
+
+    from moelab.cli import main
+    from moelab.train.trainer import train
+
+    dense_raw = tiny_config(small_corpus, model={"n_dense_layers": 2}, train={
+        "steps": 4, "eval_every": 4, "checkpoint_every": 4})
+    train(config_from_dict(dense_raw), tmp_path / "dense")
+    out = tmp_path / "moe"
+    assert main(["upcycle", str(tmp_path / "dense"), "--experts", "4", "--top-k", "2",
+                 "--out", str(out), "--set", "train.steps=6"]) == 0
+    lineage = json.loads((out / "lineage.json").read_text())
+    assert (lineage["step"], lineage["upcycled"]["experts"]) == (4, 4)
+    assert lineage["parent_run_dir"] == str((tmp_path / "dense").absolute())
+    assert [e["kind"] for e in events(out)] == ["upcycle"]
+    assert main(["train", "--config", str(out / "config.yaml"), "--run-dir", str(out)]) == 0
+    curve = losses(out)
+    assert sorted(curve) == [1, 2, 3, 4, 5, 6]
+    # it starts where the dense model ended, not at ln(vocab) = 6.2 of a fresh model
+    assert curve[1] < losses(tmp_path / "dense")[1] - 0.1
+    # an MoE run is refused as a dense one, in one line
+    assert main(["upcycle", str(out), "--experts", "8", "--top-k", "2",
+                 "--out", str(tmp_path / "again")]) == 2
