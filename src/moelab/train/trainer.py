@@ -33,6 +33,7 @@ from moelab.config.plan import Stage, check_sources, stage_config
 from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.model import Transformer
+from moelab.model.dispatch import check_dispatch
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
@@ -544,6 +545,7 @@ def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
         # start leaves nothing behind. The corpus is prepared outside StopRequest, whose
         # "finish this step" has no step to finish there.
         check_identity(run_dir, cfg, allow_config_change)
+        check_dispatch(cfg)  # its registry entry's mesh checks
         if experiment and match_experiment:
             check_snapshot(run_dir, experiment, config_to_dict(cfg), allow_config_change)
         prepared_data(cfg)
