@@ -434,7 +434,8 @@ LADDER_PRESETS = Path(__file__).resolve().parents[3] / "configs" / "ladder"
 def load_spec(path: str | Path, out: str | Path | None = None) -> LadderSpec:
     """A ladder spec from a YAML file or a preset name (`default` is
     configs/ladder/dev/default.yaml, see LADDER_PRESETS)."""
-    presets = {p.stem: p for p in sorted(LADDER_PRESETS.glob("*/*.yaml"))}
+    found = [*LADDER_PRESETS.glob("*.yaml"), *LADDER_PRESETS.glob("*/*.yaml")]
+    presets = {p.stem: p for p in sorted(found)}
     path = preset_or_file(path, presets, "ladder spec")
     if not path.is_file():
         raise ConfigError(f"ladder spec {path} does not exist")

@@ -40,6 +40,7 @@ from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train.bpb import LOSS_PREFIX, domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
+from moelab.train.health import DEAD_METRIC, ExpertHealth
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits, keep_freed_memory
 from moelab.train.metrics import mfu
@@ -175,6 +176,7 @@ class Trainer:
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
         self.overfit = OverfitDetector()
+        self.health = ExpertHealth(t.dead_expert_window)
         permanent = self.plan.starts() if t.keep_stage_checkpoints else []
         self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, permanent=permanent)
         self.log = RunLog(run_dir, experiment, config_to_dict(cfg),
@@ -222,6 +224,8 @@ class Trainer:
             self.detectors[name].load_state_dict(state)
         if "overfit" in meta:  # a checkpoint of an older moelab starts it afresh
             self.overfit.load_state_dict(meta["overfit"])
+        if "health" in meta:  # checkpoints from before balance health have none
+            self.health.load_state_dict(meta["health"])
         self.log.rewind_to(step)
         self.log.event(step, "resume", f"resumed from checkpoint at step {step}")
         print(f"resumed from checkpoint at step {step}")
@@ -328,7 +332,8 @@ class Trainer:
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
                  "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
-                 "overfit": self.overfit.state_dict()}
+                 "overfit": self.overfit.state_dict(),
+                 "health": self.health.state_dict()}
         try:
             self.ckpt.save(self.step, self.model, self.opt_state, state)
         except DivergenceError as err:
@@ -470,6 +475,7 @@ class Trainer:
         self._check_finite(step, record)
         self._flag_spikes(step, record)
         self.overfit.step(record["ce"])
+        self._check_health(step, parts, record)
         if evaluate:
             record.update(self.evaluate())
             self._flag_overfit(step, record, stage)
@@ -530,6 +536,16 @@ class Trainer:
                        f"loss fell ({first[0]:.4g} -> {train:.4g}): overfitting")
             self.log.event(step, "overfit", message)
             record[f"overfit/{source}"] = 1.0
+
+    def _check_health(self, step: int, parts: dict, record: dict) -> None:
+        """Dead experts per MoE layer (train/health.py), and an event when one dies or
+        revives."""
+        if "tokens_per_expert" not in parts:  # a dense model
+            return
+        for kind, message in self.health.update(parts["tokens_per_expert"]):
+            self.log.event(step, kind, message)
+        for i, dead in enumerate(self.health.dead()):
+            record[f"{DEAD_METRIC}/layer_{i}"] = float(dead)
 
     def _maybe_fault(self) -> None:
         if os.environ.get(FAULT_ENV) == str(self.step):
