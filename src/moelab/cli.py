@@ -28,6 +28,7 @@ PARTS = [
     "moelab.lab.cli",
     "moelab.export.cli",
     "moelab.eval.cli",
+    "moelab.serve.cli",
 ]
 
 
