@@ -216,7 +216,8 @@ def test_a_disconnect_mid_stream_frees_the_slot(engine, monkeypatch):
     events = slow_steps(monkeypatch, engine, 0.05)
     with serving(engine, slots=1) as base:
         api = client(base, timeout=30)
-        stream = api.completions.create(model=engine.name, prompt="ab cd", max_tokens=100,
+        # 50 new tokens: the cache shapes of the other tests, so nothing new compiles
+        stream = api.completions.create(model=engine.name, prompt="ab cd", max_tokens=50,
                                         temperature=0, stream=True)
         next(iter(stream))
         stream.close()  # the client goes away after the first chunk
@@ -225,7 +226,7 @@ def test_a_disconnect_mid_stream_frees_the_slot(engine, monkeypatch):
         while ("closed", first) not in events and time.monotonic() < deadline:
             time.sleep(0.02)
         steps = events.count(("token", first))
-        assert ("closed", first) in events and steps < 50, steps  # decoding stopped early
+        assert ("closed", first) in events and steps < 25, steps  # decoding stopped early
         # the one slot is free: the next request is served
         out = api.completions.create(model=engine.name, prompt="xy", max_tokens=3,
                                      temperature=0)
@@ -268,7 +269,7 @@ def test_lm_eval_through_the_server_equals_the_in_process_adapter(engine, url, r
 
     names = ["cont_code", "cont_prose"]
     written = write_tasks(data_dir(engine.cfg.data.path), engine.tokenizer, names, tmp_path,
-                          8, seed=0)
+                          5, seed=0)
     remote = get_model("local-completions")(
         model=engine.name, base_url=f"{url}/v1/completions", tokenizer_backend="remote",
         tokenized_requests=True, max_length=engine.context, max_retries=1)
@@ -310,7 +311,7 @@ def test_lm_eval_through_the_server_equals_the_in_process_adapter(engine, url, r
 
 
 def test_serve_startup_errors_are_one_line(run, tmp_path, capsys):
-    taken = listen("127.0.0.1", 0)
+    taken = listen("127.0.0.1", 0)  # listening: another server's port
     cases = [([str(tmp_path / "missing")], "not a run directory"),
              ([str(tmp_path)], "no checkpoint"),
              ([str(run), "--step", "7"], "7"),

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, or a UserError naming the address and the fix."""
+    """A socket listening on host:port, or a UserError naming the address and the fix."""
     from moelab.errors import UserError
 
     try:
@@ -39,6 +39,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(128)  # here, so a port another server listens on fails here too
     except OSError as err:
         raise UserError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick "
                         "another --port or --host") from None
