@@ -29,19 +29,21 @@ from moelab.config import (
     config_to_dict,
     data_dir,
 )
+from moelab.config.plan import Stage, check_sources, stage_config
 from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
-from moelab.eval.bpb import domain_metrics, tokenizer_bytes
 from moelab.model import Transformer
+from moelab.model.dispatch import check_dispatch
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
+from moelab.train.bpb import domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
+from moelab.train.health import DEAD_METRIC, ExpertHealth
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits, keep_freed_memory
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
-from moelab.train.plan import Stage, build_plan, check_sources, stage_config
 from moelab.train.rundir import (
     CHECKPOINT_DIR,
     LAB_RUN_FILE,
@@ -127,7 +129,7 @@ class Trainer:
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
         d = cfg.data
-        self.plan = build_plan(cfg)
+        self.plan = cfg.plan
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
                              d.max_epochs or None, cfg.train.steps * d.batch_size * d.seq_len)
         if d.mixture or d.max_epochs:
@@ -162,6 +164,7 @@ class Trainer:
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
+        self.health = ExpertHealth(t.dead_expert_window)
         permanent = self.plan.starts() if t.keep_stage_checkpoints else []
         self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, permanent=permanent)
         self.log = RunLog(run_dir, experiment, config_to_dict(cfg),
@@ -207,6 +210,8 @@ class Trainer:
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
             self.detectors[name].load_state_dict(state)
+        if "health" in meta:  # checkpoints from before balance health have none
+            self.health.load_state_dict(meta["health"])
         self.log.rewind_to(step)
         self.log.event(step, "resume", f"resumed from checkpoint at step {step}")
         print(f"resumed from checkpoint at step {step}")
@@ -253,7 +258,7 @@ class Trainer:
     def _check_plan_change(self, saved: dict, step: int) -> None:
         """Refuse a resume whose plan changes a stage that has trained (one-line error);
         stages yet to start may change, recorded as a plan_change event."""
-        old = build_plan(config_from_dict(saved))
+        old = config_from_dict(saved).plan
         if not (old.staged or self.plan.staged):
             return  # one implicit stage: train.steps may change (a cooldown branch does)
         changed = old.started_changes(self.plan, step)
@@ -312,7 +317,8 @@ class Trainer:
             self._refuse_save(refused)
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
-                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()}}
+                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
+                 "health": self.health.state_dict()}
         try:
             self.ckpt.save(self.step, self.model, self.opt_state, state)
         except DivergenceError as err:
@@ -453,6 +459,7 @@ class Trainer:
         record = self._record(parts, self.lr(step - 1), tokens_per_s, stage)
         self._check_finite(step, record)
         self._flag_spikes(step, record)
+        self._check_health(step, parts, record)
         if evaluate:
             record.update(self.evaluate())
         self.log.step(step, record)
@@ -493,6 +500,16 @@ class Trainer:
                 self.log.event(step, flag, f"{name} = {record[name]:.4g} flagged as {flag}")
                 record[f"{flag}/{name}"] = 1.0
 
+    def _check_health(self, step: int, parts: dict, record: dict) -> None:
+        """Dead experts per MoE layer (train/health.py), and an event when one dies or
+        revives."""
+        if "tokens_per_expert" not in parts:  # a dense model
+            return
+        for kind, message in self.health.update(parts["tokens_per_expert"]):
+            self.log.event(step, kind, message)
+        for i, dead in enumerate(self.health.dead()):
+            record[f"{DEAD_METRIC}/layer_{i}"] = float(dead)
+
     def _maybe_fault(self) -> None:
         if os.environ.get(FAULT_ENV) == str(self.step):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -528,6 +545,7 @@ def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
         # start leaves nothing behind. The corpus is prepared outside StopRequest, whose
         # "finish this step" has no step to finish there.
         check_identity(run_dir, cfg, allow_config_change)
+        check_dispatch(cfg)  # its registry entry's mesh checks
         if experiment and match_experiment:
             check_snapshot(run_dir, experiment, config_to_dict(cfg), allow_config_change)
         prepared_data(cfg)
