@@ -321,3 +321,16 @@ def test_serve_startup_errors_are_one_line(run, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
     taken.close()
+    # a broken chat template stops the server at startup, not at the first chat request
+    from moelab.config import data_dir
+    from moelab.data.chat import CHAT_TEMPLATE_FILE
+
+    template = data_dir(Engine.load(run).cfg.data.path) / CHAT_TEMPLATE_FILE
+    good = template.read_text()
+    try:
+        template.write_text("{% for message in messages %}{{ message['content'] }}")
+        assert main(["serve", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "chat template" in err, err
+    finally:
+        template.write_text(good)

@@ -139,8 +139,7 @@ def create_app(engine: Engine, slots: int = 1) -> FastAPI:
                       kind=kind)
 
     @app.exception_handler(Exception)
-    async def _crash(request: Request, err: Exception):  # logged here, never sent
-        log.exception("request %s %s failed", request.method, request.url.path)
+    async def _crash(request: Request, err: Exception):  # uvicorn logs the traceback
         return _error(500, f"internal error ({type(err).__name__}); see the server's log",
                       kind="server_error")
 

@@ -82,9 +82,10 @@ class Engine:
     @classmethod
     def load(cls, run_dir: Path, step: int | None = None, name: str | None = None) -> Engine:
         """The engine of a run's newest good checkpoint (or `step`); a missing run, a run
-        without checkpoints or without its tokenizer is a UserError."""
+        without checkpoints or its tokenizer, a broken chat template or one whose tokens
+        the tokenizer lacks is a UserError."""
         from moelab.config import data_dir
-        from moelab.data.chat import chat_template_of, require_chat_tokens
+        from moelab.data.chat import CHAT_TEMPLATE_FILE, chat_template_of, require_chat_tokens
         from moelab.data.tokenizer import load_tokenizer
         from moelab.train.checkpoint import load_latest
 
@@ -92,12 +93,12 @@ class Engine:
             raise UserError(f"{run_dir} is not a run directory; pass the directory of a "
                             "training run")
         model, cfg, step = load_latest(run_dir, step)
-        tokenizer = load_tokenizer(data_dir(cfg.data.path))
-        try:
-            template = chat_template_of(data_dir(cfg.data.path))
-            require_chat_tokens(tokenizer, data_dir(cfg.data.path))
-        except UserError:
-            template = None  # a base corpus without chat tokens: completions only
+        data = data_dir(cfg.data.path)
+        tokenizer = load_tokenizer(data)
+        template = None  # a corpus prepared without --chat-tokens: completions only
+        if (data / CHAT_TEMPLATE_FILE).is_file():  # a broken one fails here, at startup
+            template = chat_template_of(data)
+            require_chat_tokens(tokenizer, data)
         return cls(model, cfg, tokenizer, step, name or run_dir.resolve().name, template)
 
     # -------------------------------------------------------------- text and tokens
