@@ -261,6 +261,8 @@ def test_lm_eval_through_the_server_equals_the_in_process_adapter(engine, url, r
     """lm-eval's `local-completions` with its `remote` tokenizer (the server's /tokenize:
     no tokenizer files, no network) scores every request as the in-process adapter scores
     the same tokens, so the task numbers are the same."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("tenacity")  # lm-eval's API models need it (the eval extra)
     from lm_eval.api.registry import get_model
 
     from moelab.config import data_dir
