@@ -38,6 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "Python package's sources + system docs (a corpus to measure scale)")
     prepare.add_argument("--vocab-size", type=int_in(260, 2**20), default=4096,
                          help="BPE tokenizer size, special tokens included")
+    prepare.add_argument("--chat-tokens", action="store_true",
+                         help="also put the chat template's <|im_start|> / <|im_end|> in the "
+                         "vocabulary (its last two ids) and store the template: a corpus for "
+                         "a base model that is later fine-tuned on conversations")
     prepare.add_argument("--near-dup-threshold", type=float_in(0.0, 1.0), default=0.8,
                          help="MinHash Jaccard at or above which a document is a near dup")
     prepare.add_argument("--val-fraction", type=float_in(0.0, 0.5), default=0.05,
@@ -163,7 +167,7 @@ def run_prepare(args: argparse.Namespace) -> int:
             max_docs_per_source=args.max_docs, workers=args.workers, use_ray=args.ray,
             quality_thresholds=parse_quality(args.quality), shard_docs=args.shard_docs,
             partitions=args.partitions, max_chars=args.max_chars or None,
-            long_files=args.long_files)
+            long_files=args.long_files, chat_tokens=args.chat_tokens)
     return run_stats(argparse.Namespace(dir=args.out))
 
 

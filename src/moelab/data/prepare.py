@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 from moelab.config import data_dir
 from moelab.data import quality, stages
+from moelab.data.chat import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE
 from moelab.data.dedup import MAX_THRESHOLD, NUM_PERM, SHINGLE_WORDS, lsh_bands
 from moelab.data.executor import Executor, RayExecutor, peak_rss_mb, reset_peak_rss
 from moelab.data.ingest import list_documents, source_globs
@@ -37,7 +38,14 @@ from moelab.data.provenance import (
     read_manifest,
     reason_kind,
 )
-from moelab.data.shards import read_table, shard_path, token_dtype, write_json, write_streams
+from moelab.data.shards import (
+    read_table,
+    shard_path,
+    token_dtype,
+    write_json,
+    write_streams,
+    write_text,
+)
 from moelab.data.tokenizer import EOS, MIN_VOCAB, TOKENIZER_FILE
 from moelab.errors import UserError
 
@@ -121,6 +129,7 @@ def prepare(
     tokenizer_sample_chars: int = TOKENIZER_SAMPLE_CHARS,
     seed: int = 0,
     long_files: str = "split",
+    chat_tokens: bool = False,
 ) -> dict:
     """Build a dataset in out_dir; return meta.json's contents plus "seconds" and
     "peak_rss_mb" (driver per phase, largest task per stage) to locate time and memory.
@@ -138,6 +147,9 @@ def prepare(
     default_shard_docs) and partitions (None = one per 8 shards, at most 64) size the
     tasks; the tokenizer trains on at most tokenizer_sample_chars of train text, sampled
     with seed. The output bytes depend on neither the executor nor the number of workers.
+    chat_tokens: the tokenizer also holds the chat template's special tokens (its last two
+    ids; see `train_tokenizer`) and the template is written beside it (a corpus to pre-train
+    a model that is then fine-tuned on conversations).
     """
     _check_settings(vocab_size, near_dup_threshold, val_fraction, min_chars)
     thresholds = quality.check_thresholds(quality_thresholds or {})
@@ -162,7 +174,7 @@ def prepare(
         min_chars=min_chars,
         max_chars=max_chars, thresholds=thresholds, near_dup_threshold=near_dup_threshold,
         bands=bands, rows=rows, vocab_size=vocab_size,
-        tokenizer_sample_chars=tokenizer_sample_chars, seed=seed)
+        tokenizer_sample_chars=tokenizer_sample_chars, seed=seed, chat_tokens=chat_tokens)
     settings = dict(sources=globs, vocab_size=vocab_size, near_dup_threshold=near_dup_threshold,
                     val_fraction=val_fraction, min_chars=min_chars, max_chars=max_chars,
                     max_docs_per_source=max_docs_per_source, quality_thresholds=thresholds,
@@ -170,6 +182,8 @@ def prepare(
                                  rows=rows),
                     tokenizer_sample_chars=tokenizer_sample_chars, seed=seed,
                     long_files=long_files)
+    if chat_tokens:  # only then: meta.json of a corpus without chat stays byte-identical
+        settings["chat_tokens"] = True
     listing = hashlib.sha256("\n".join(f"{d.source}\t{d.path}\t{d.span}"
                                        for d in docs).encode())
     created = not Path(out_dir).exists()
@@ -252,6 +266,9 @@ def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
     write_streams({key: shard_path(out, *key) for key in streams},
                   {key: totals[key] for key in streams}, stages.stream_pieces(plan, dtype), dtype)
     os.replace(work / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
+    if settings.get("chat_tokens"):
+        write_text(out / CHAT_TEMPLATE_FILE, CHAT_TEMPLATE)
     shutil.rmtree(out / MANIFEST_DIR, ignore_errors=True)
     os.replace(work / MANIFEST_DIR, out / MANIFEST_DIR)
     counts = count_documents(read_manifest(out))
