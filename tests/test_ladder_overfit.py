@@ -1,5 +1,7 @@
 """The repetition law that can rise (moelab.ladder.overfit), on synthetic rungs only."""
 
+import json
+
 import numpy as np
 import pytest
 from conftest import tiny_config
@@ -9,6 +11,7 @@ from moelab.ladder import predict, repetition
 from moelab.ladder.fit import FitError
 from moelab.ladder.overfit import fit_overfit
 from moelab.ladder.predict import forecast
+from moelab.ladder.report import _repetition_lines
 from moelab.ladder.results import RunResult
 from moelab.ladder.spec import spec_from_dict
 
@@ -110,6 +113,9 @@ def test_measured_repetition_is_the_preregistered_law(tmp_path, monkeypatch):
     assert measured["P_interval"]["low"] <= TRUE["P"] <= measured["P_interval"]["high"]
     assert measured["muennighoff"]["published_r_star"] == pytest.approx(15.39)
     assert measured["muennighoff"]["r_star"] > 0 and record["repetition"]["target_passes"] == 6
+    # the record is written as JSON; the report sets the measured cost beside the published
+    (line,) = _repetition_lines(json.loads(json.dumps(record))["repetition"]["measured"])
+    assert "published 15.39" in line and f"P {measured['P']:.4g}" in line
 
 
 def test_measured_repetition_needs_enough_rungs_and_repeating_rungs(tmp_path):
