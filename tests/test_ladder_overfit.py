@@ -124,6 +124,11 @@ def test_measured_repetition_needs_enough_rungs_and_repeating_rungs(tmp_path):
            "target": {"train": {"steps": 400}}, "fit": {"repetition": "measured"}}
     with pytest.raises(ConfigError, match="needs as many rung points, got 3"):
         spec_from_dict(raw, "few", tmp_path / "ladder")
+    raw["rungs"] += [{"train": {"steps": s}} for s in (80, 160, 320, 640, 1280)]
+    raw["target"]["train"]["steps"] = 40000
+    raw["rungs"][0]["data"] = {"path": str(tmp_path / "small")}
+    with pytest.raises(ConfigError, match="must share its corpus"):
+        spec_from_dict(raw, "other-corpus", tmp_path / "ladder")
     raw["fit"]["repetition"] = "decay"
     with pytest.raises(ConfigError, match="fit.repetition: 'decay' is not one of"):
         spec_from_dict(raw, "bad", tmp_path / "ladder")

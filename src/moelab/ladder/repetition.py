@@ -7,7 +7,7 @@ the rungs never measured: the published decay (Muennighoff et al., `fit.repetiti
 makes a repeated token worth less, never worth harm, while a small model on few unique
 tokens overfits and its validation loss rises. So pre-registration refuses such a target
 unless the spec accepts it explicitly (`fit.accept_repetition: true`, recorded). Rungs
-that repeat their data (Muennighoff et al.'s design) raise what the rungs measured, and
+that repeat the corpus raise what the rungs measured, and
 `fit.repetition: measured` predicts from the law fitted on them (moelab.ladder.overfit);
 it is refused before any rung trains when fewer than two pass counts above 1 are measured.
 
@@ -74,8 +74,8 @@ def refusal(rep: dict[str, Any]) -> str | None:
     if rep.get("measured") and len(rep["rung_passes"]) < 2:
         return (f"fit.repetition: measured fits the law that can rise with passes on the "
                 f"rungs, but they repeat their data at {len(rep['rung_passes'])} pass "
-                f"count(s) above 1 ({rep['rung_passes']}); add rungs on a small corpus "
-                "(their data.path) trained for 2 to 16 passes, or set fit.repetition: "
+                f"count(s) above 1 ({rep['rung_passes']}); add rungs trained for 2 to 16 "
+                "passes over the corpus, or set fit.repetition: "
                 "muennighoff")
     if not rep["beyond_rungs"] or rep["accepted"]:
         return None

@@ -72,8 +72,8 @@ class FitOptions:
     # are worth (moelab.ladder.curve.REPEAT_DECAY) in L(N, D)'s D and the curve law's S1;
     # "none" counts every token the same; "measured": the prediction is the law that can
     # rise with passes (moelab.ladder.overfit), fitted on the rungs themselves, so some rungs
-    # must repeat their data (Muennighoff et al.'s design: rungs on a small corpus, their
-    # data.path, for 1 to 16 passes); the other laws still count repeats by "muennighoff"
+    # must repeat the target's corpus (trained for 2 to 16 passes over it); the other laws
+    # still count repeats by "muennighoff"
     repetition: str = "muennighoff"
     # true: the end of every stage after the first is the previous stage end's value times
     # one minus the stage's relative loss gain, which every rung measures at the same
@@ -426,7 +426,13 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
             OVERFIT_PARAMS):
         raise ConfigError(f"fit.repetition: measured fits a law of {len(OVERFIT_PARAMS)} "
                           f"parameters and needs as many rung points, got {len(spec_points)}; "
-                          "add rungs (e.g. one width on a small corpus at 1, 2, 4, 8, 16 passes)")
+                          "add rungs (e.g. one width at 1, 2, 4, 8 and 16 passes over the corpus)")
+    if fit.repetition == "measured" and (paths := sorted(
+            {r.config.data.path for r in rungs} - {target.config.data.path})):
+        raise ConfigError(f"fit.repetition: measured compares the rungs' losses with the "
+                          f"target's, so they must share its corpus ({target.config.data.path}"
+                          f"), but rungs train on {paths}: another corpus has its own "
+                          "tokenizer and val split; repeat data by training longer instead")
     if fit.stage_gain and not target.config.plan.staged:
         raise ConfigError("fit.stage_gain: the plan has one stage, so there is no stage gain "
                           "to fit; add `stages:` to base, or drop stage_gain")
