@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 def with_dropless_dispatch(model: Transformer, block_size: int | None = None) -> Transformer:
     """The same weights, routed with dropless dispatch (block_size: the CPU kernel's rows
-    per block; None keeps the model's)."""
+    per block; None keeps the model's), without the training-only MTP modules."""
+    model = dataclasses.replace(model, mtp=None)
     moe = next((b.ffn.moe for b in model.blocks if isinstance(b.ffn, MoE)), None)
     if moe is None:
         return model  # all layers dense
