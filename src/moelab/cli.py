@@ -23,6 +23,7 @@ from moelab.schema import bounded
 
 PARTS = [
     "moelab.data.cli",
+    "moelab.curate.cli",  # after data: adds its commands under `moelab data`
     "moelab.train.cli",
     "moelab.ladder.cli",
     "moelab.lab.cli",

@@ -29,20 +29,20 @@ from moelab.config import (
     config_to_dict,
     data_dir,
 )
+from moelab.config.plan import Stage, check_sources, stage_config
 from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
-from moelab.eval.bpb import domain_metrics, tokenizer_bytes
 from moelab.model import Transformer, init_model
 from moelab.model.losses import MTP_LOSS_PREFIX
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
+from moelab.train.bpb import domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits, keep_freed_memory
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
-from moelab.train.plan import Stage, build_plan, check_sources, stage_config
 from moelab.train.rundir import (
     CHECKPOINT_DIR,
     LAB_RUN_FILE,
@@ -127,7 +127,7 @@ class Trainer:
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
         d = cfg.data
-        self.plan = build_plan(cfg)
+        self.plan = cfg.plan
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
                              d.max_epochs or None, cfg.train.steps * d.batch_size * d.seq_len)
         if d.mixture or d.max_epochs:
@@ -253,7 +253,7 @@ class Trainer:
     def _check_plan_change(self, saved: dict, step: int) -> None:
         """Refuse a resume whose plan changes a stage that has trained (one-line error);
         stages yet to start may change, recorded as a plan_change event."""
-        old = build_plan(config_from_dict(saved))
+        old = config_from_dict(saved).plan
         if not (old.staged or self.plan.staged):
             return  # one implicit stage: train.steps may change (a cooldown branch does)
         changed = old.started_changes(self.plan, step)
