@@ -2,8 +2,8 @@
 DeepSeek-V3's equations, depth 0 is today's objective, and the FLOP count pays for them."""
 
 import dataclasses
+import json
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,7 +116,20 @@ def test_bad_mtp_values_are_refused_by_name():
         config_from_dict({**RAW, "mtp": {"deep": 1}})
 
 
-def test_a_checkpoint_restores_with_its_modules(tmp_path):
-    """The restore template is built with the MTP modules (checkpoint.load_latest)."""
-    skeleton = eqx.filter_eval_shape(init_model, config(depth=1), jax.random.key(0))
-    assert skeleton.mtp.proj.shape == (1, 64, 32)
+def test_a_run_logs_each_depth_and_its_checkpoint_restores_the_modules(tmp_path, small_corpus):
+    """A trained MTP run: metrics.jsonl has mtp_loss_1, the checkpoint restores with its
+    modules (the restore template is built with them) and the model generates."""
+    from conftest import tiny_config
+
+    from moelab.export.generate import generate
+    from moelab.train.checkpoint import load_latest
+    from moelab.train.trainer import train
+
+    raw = tiny_config(small_corpus, mtp={"depth": 1},
+                      train={"steps": 2, "log_every": 1, "eval_every": 2, "checkpoint_every": 2})
+    train(config_from_dict(raw), tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["mtp_loss_1"]) for r in rows if "loss" in r)
+    model, cfg, step = load_latest(tmp_path / "run")
+    assert step == 2 and cfg.mtp.depth == 1 and model.mtp.proj.shape == (1, 64, 32)
+    assert len(generate(model, [1, 2, 3], max_new_tokens=4)) == 4
