@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from importlinter.cli import lint_imports  # configures import-linter first, as the CLI does
-
 import moelab
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,9 +15,16 @@ LINT = ("import sys; from importlinter.cli import lint_imports; "
         "sys.exit(lint_imports('pyproject.toml', no_cache=True, no_logo=True))")
 
 
-def test_the_declared_layers_hold(capsys):
-    assert lint_imports(str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0, \
-        capsys.readouterr().out
+def lint(cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """import-linter in its own process: run in the test process, it leaves pytest's
+    captured stdout closed for the tests after it."""
+    return subprocess.run([sys.executable, "-c", LINT], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_declared_layers_hold():
+    done = lint(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
@@ -32,7 +37,6 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     layers.write_text(layers.read_text() + "\n\ndef _upward():\n"
                       "    from moelab.train import optimizer  # noqa: F401\n")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "src")}
-    done = subprocess.run([sys.executable, "-c", LINT], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = lint(tmp_path, env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "moelab.model.layers -> moelab.train.optimizer" in done.stdout, done.stdout

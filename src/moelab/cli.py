@@ -29,6 +29,7 @@ PARTS = [
     "moelab.lab.cli",
     "moelab.export.cli",
     "moelab.eval.cli",
+    "moelab.serve.cli",
 ]
 
 

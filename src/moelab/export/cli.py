@@ -86,6 +86,7 @@ def _tokenizer_or_none(data_path: Path):
 def _export(args: argparse.Namespace) -> None:
     from moelab.errors import UserError
     from moelab.export.hf import check_exportable, export_hf
+    from moelab.model.dispatch import entry_of
 
     if args.run_dir is None or args.out is None:
         raise UserError("export needs --run-dir DIR and --out HFDIR (or `moelab export verify "
@@ -93,7 +94,7 @@ def _export(args: argparse.Namespace) -> None:
 
     model, cfg, step = _load(args.run_dir)
     check_exportable(cfg)  # before the tokenizer is looked for
-    if cfg.moe.dispatch != "dropless":
+    if entry_of(cfg.moe).drops:
         print(f"note: trained with moe.dispatch={cfg.moe.dispatch}; the export (like "
               "`moelab generate`) computes every expert assignment, dropping none",
               file=sys.stderr)
