@@ -9,6 +9,8 @@ static structure is a hashable static argument, split off and put back around th
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -33,9 +35,15 @@ def make_loss(cfg: Config):
     dtype = jnp.dtype(cfg.train.dtype)
 
     def loss(model, batch, segments=None):
-        logits, stats, _ = cast_floats(model, dtype)(batch[:, :-1], segments=segments)
+        model = cast_floats(model, dtype)
+        hidden, stats, _ = model.hidden(batch[:, :-1], segments=segments)
+        logits, mtp_ce = model.logits(hidden), None
+        if model.mtp is not None:  # multi-token prediction (model/mtp.py)
+            with jax.named_scope("mtp"):
+                mtp_ce = model.mtp.cross_entropy(model, hidden, batch[:, :-1], batch[:, 1:],
+                                                 segments)
         with jax.named_scope("loss"):
-            return objective(logits, batch[:, 1:], stats, cfg.loss)
+            return objective(logits, batch[:, 1:], stats, cfg.loss, mtp_ce, cfg.mtp.loss_weight)
 
     return loss
 
@@ -116,13 +124,14 @@ class TrainStep:
 
 
 def make_eval_step(cfg: Config):
-    """eval_step(model, batch) -> mean cross-entropy, asynchronous like the train step."""
+    """eval_step(model, batch) -> mean cross-entropy, asynchronous like the train step.
+    The model is evaluated as it is served: without its MTP modules."""
     loss = make_loss(cfg)
     jitted = jax.jit(lambda params, static, batch: loss(eqx.combine(params, static), batch)[1][
         "ce"], static_argnums=1)
 
     def eval_step(model, batch):
-        params, static = eqx.partition(model, eqx.is_array)
+        params, static = eqx.partition(dataclasses.replace(model, mtp=None), eqx.is_array)
         return jitted(params, static, batch)
 
     return eval_step
