@@ -125,7 +125,7 @@ def test_a_refused_report_leaves_no_empty_static_folder(tmp_path, monkeypatch, c
                      "tiny"]) == 0
     out = tmp_path / "report"
     assert cli.main(["lab", "--lab", lab, "report", "exp-1", "--out", str(out)]) == 2
-    assert "pip install 'moelab[lab]'" in capsys.readouterr().err
+    assert "pip install -e '.[lab]'" in capsys.readouterr().err
     assert not out.exists()
 
 

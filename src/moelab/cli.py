@@ -19,7 +19,7 @@ from moelab.errors import (
     Interrupted,
     UserError,
 )
-from moelab.schema import bounded
+from moelab.schema import bounded, resolve_run_dir
 
 PARTS = [
     "moelab.data.cli",
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        resolve_run_dir(args)
         return int(args.func(args) or 0)
     except (UserError, FileNotFoundError) as err:  # ConfigError is a UserError
         # One bounded line: a message may quote a value read from a file of any size.

@@ -11,28 +11,48 @@ import sys
 from pathlib import Path
 
 from moelab.config import data_dir
-from moelab.schema import float_in, int_in
+from moelab.schema import RUN_DIR_HELP, add_run_dir, float_in, int_in
+
+
+class RunDirOrAction(argparse._SubParsersAction):
+    """`moelab export RUN_DIR --out HF` beside `moelab export verify RUN_DIR`: a first
+    positional that names no action is the run directory, the rest is export's own."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values[0] in self._name_parser_map:
+            return super().__call__(parser, namespace, values, option_string)
+        namespace.run_dir = Path(values[0])
+        parsed, extras = parser.parse_known_args(values[1:], None)
+        for key, value in vars(parsed).items():
+            if key != "run_dir" and value is not None:
+                setattr(namespace, key, value)
+        if extras:
+            vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, []).extend(extras)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser(
         "export", help="write a run's latest checkpoint as a transformers Qwen3-MoE model "
         "(`moelab export verify RUN_DIR` checks an export against golden files)")
-    export.add_argument("--run-dir", type=Path, help="a training run directory (required)")
+    add_run_dir(export, positional=False)
     export.add_argument("--out", type=Path,
                         help="output directory (must not exist or be empty; required)")
+    export.add_argument("--force", action="store_true",
+                        help="replace --out when it holds an earlier moelab export (never a "
+                        "directory moelab did not make)")
     export.set_defaults(func=_export)
-    actions = export.add_subparsers(dest="action")
+    actions = export.add_subparsers(dest="action", action=RunDirOrAction, metavar="RUN_DIR",
+                                    help=f"{RUN_DIR_HELP}, or `verify RUN_DIR`")
     verify = actions.add_parser(
         "verify", help="golden forward files from moelab vs the export in transformers: "
         "probabilities, argmax, routes; exit 1 if they disagree")
-    verify.add_argument("run_dir", type=Path, metavar="RUN_DIR",
-                        help="a training run directory")
+    add_run_dir(verify)
     verify.add_argument("--export", type=Path,
                         help="an existing export of this run to check (default: export the "
                              "latest checkpoint into OUT/hf)")
     verify.add_argument("--out", type=Path,
-                        help="where golden.json and verify.json go (default RUN_DIR/verify)")
+                        help="where golden.json, verify.json and the export hf/ go (default "
+                        "RUN_DIR/verify; a directory moelab made, or empty, or new)")
     verify.add_argument("--bound", type=float_in(0.0, 1.0), default=1e-4,
                         help="max per-token probability error allowed (float32: 1e-4)")
     verify.add_argument("--margin-tol", type=float_in(0.0), default=1e-4,
@@ -44,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.set_defaults(func=_verify)
 
     gen = subparsers.add_parser("generate", help="sample text from a run's latest checkpoint")
-    gen.add_argument("--run-dir", required=True, type=Path, help="a training run directory")
+    add_run_dir(gen)
     gen.add_argument("--prompt", default="",
                      help="text to continue (default: '', a new document)")
     gen.add_argument("--max-new-tokens", type=int_in(1), default=64, help="tokens to sample")
@@ -61,7 +81,7 @@ def _load(run_dir: Path):
     from moelab.errors import UserError
 
     if not run_dir.is_dir():  # checked here: the loader would create it
-        raise UserError(f"{run_dir} is not a run directory; pass the --run-dir of a training run")
+        raise UserError(f"{run_dir} is not a run directory; pass the RUN_DIR of a training run")
     try:
         from moelab.train.checkpoint import load_latest
     except ModuleNotFoundError as err:
@@ -85,19 +105,20 @@ def _tokenizer_or_none(data_path: Path):
 
 def _export(args: argparse.Namespace) -> None:
     from moelab.errors import UserError
-    from moelab.export.hf import check_exportable, export_hf
+    from moelab.export.hf import check_exportable, check_out, export_hf
 
-    if args.run_dir is None or args.out is None:
-        raise UserError("export needs --run-dir DIR and --out HFDIR (or `moelab export verify "
-                        "RUN_DIR`)")
-
+    if args.out is None:
+        raise UserError("export needs --out HFDIR: moelab export RUN_DIR --out HFDIR (or "
+                        "`moelab export verify RUN_DIR`)")
+    check_out(args.out, args.force)  # before any loading
     model, cfg, step = _load(args.run_dir)
     check_exportable(cfg)  # before the tokenizer is looked for
     if cfg.moe.dispatch != "dropless":
         print(f"note: trained with moe.dispatch={cfg.moe.dispatch}; the export (like "
               "`moelab generate`) computes every expert assignment, dropping none",
               file=sys.stderr)
-    out = export_hf(model, cfg, args.out, _tokenizer_or_none(data_dir(cfg.data.path)))
+    out = export_hf(model, cfg, args.out, _tokenizer_or_none(data_dir(cfg.data.path)),
+                    args.force)
     print(f"exported step {step} of {args.run_dir} to {out}")
 
 
@@ -119,14 +140,14 @@ def _generate(args: argparse.Namespace) -> None:
 def _verify(args: argparse.Namespace) -> int:
     """Golden files from the run's latest checkpoint, compared with the export's outputs."""
     import json
-    import shutil
 
     import numpy as np
 
+    from moelab import outputs
     from moelab.data.shards import shard_path
     from moelab.errors import EXIT_FAILED, EXIT_OK, UserError
     from moelab.eval import golden as g
-    from moelab.export.hf import check_exportable, export_hf
+    from moelab.export.hf import check_export, check_exportable, export_hf
 
     if not args.bound > 0 or not args.margin_tol >= 0:
         raise UserError(f"--bound must be > 0 and --margin-tol >= 0, got {args.bound}, "
@@ -141,9 +162,15 @@ def _verify(args: argparse.Namespace) -> int:
     elif "vllm" in backends:
         raise UserError("vLLM is installed, but moelab's vLLM backend is not written yet (no "
                         "GPU here to test it); compare its prompt log-probs with golden.json")
+    out = args.out or args.run_dir / "verify"
+    outputs.check_dir(out, ours=True if args.out is None else None)  # before any loading
+    if args.export is None and (out / "hf").exists() and not outputs.is_ours(out / "hf"):
+        raise UserError(f"{out / 'hf'} was not made by moelab export (no {outputs.MARKER}); "
+                        "move it away or choose another --out (verify exports into OUT/hf)")
+    if args.export is not None:
+        _, changed = check_export(args.export)
     model, cfg, step = _load(args.run_dir)
     check_exportable(cfg)
-    out = args.out or args.run_dir / "verify"
     streams = []
     for source in _sources(data_dir(cfg.data.path)):
         streams.append(np.load(shard_path(data_dir(cfg.data.path), source, "val"), mmap_mode="r"))
@@ -151,19 +178,24 @@ def _verify(args: argparse.Namespace) -> int:
         notes.append(f"no held-out data at {data_dir(cfg.data.path)}: the inputs are seeded "
                      "random tokens")
     inputs = g.fixed_inputs(cfg.data.seq_len, cfg.model.vocab_size, streams)
+    outputs.mark(out, "export verify")
     golden = g.write_golden(model, cfg, inputs, out / g.GOLDEN_FILE)
     export_dir = args.export
     if export_dir is None:
-        shutil.rmtree(out / "hf", ignore_errors=True)  # ours, from an earlier verify
+        if (out / "hf").exists():
+            outputs.remove_ours(out / "hf")  # an earlier verify's export
         export_dir = export_hf(model, cfg, out / "hf", _tokenizer_or_none(data_dir(cfg.data.path)))
     elif not (export_dir / "config.json").is_file():
         raise UserError(f"--export {export_dir} has no config.json; pass a `moelab export` "
                         "output directory")
+    changed = check_export(export_dir)[1] if args.export is None else changed
     verdicts = [g.compare(golden, g.transformers_outputs(export_dir, golden), "transformers",
                           args.bound, args.margin_tol)]
+    if changed:
+        notes.append(f"changed since moelab export wrote them: {', '.join(changed)}")
     report = {"run_dir": str(args.run_dir), "step": step, "export": str(export_dir),
-              "golden": str(out / g.GOLDEN_FILE), "notes": notes,
-              "passed": all(v.passed for v in verdicts),
+              "golden": str(out / g.GOLDEN_FILE), "notes": notes, "changed_files": changed,
+              "passed": all(v.passed for v in verdicts) and not changed,
               "backends": [v.to_dict() for v in verdicts]}
     (out / g.VERIFY_FILE).write_text(json.dumps(report, indent=1) + "\n")
     print(f"export verify: step {step} of {args.run_dir} vs {export_dir}")
@@ -171,6 +203,7 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"wrote {out / g.GOLDEN_FILE} and {out / g.VERIFY_FILE}")
     if not report["passed"]:
         failed = [f"{v.backend}: {'; '.join(v.problems())}" for v in verdicts if not v.passed]
+        failed += [f"files changed since export: {', '.join(changed)}"] if changed else []
         print(f"moelab export verify: FAILED: {' | '.join(failed)}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK

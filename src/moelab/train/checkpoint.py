@@ -20,7 +20,6 @@ is stored beside them and checked before anything is restored.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ import orbax.checkpoint as ocp
 
 from moelab.config import Config, config_from_dict, config_to_dict
 from moelab.errors import DivergenceError, UserError
+from moelab.outputs import file_sha256
 from moelab.parallel.mesh import is_tensor  # arrays or their shapes: restore templates
 from moelab.schema import MapOf, Number, SchemaError, brief, check, read_json
 from moelab.train.plan import build_plan, stage_config
@@ -72,14 +72,6 @@ def shape_mismatches(saved: dict, cfg: Config) -> list[str]:
 # ------------------------------------------------------------------------- integrity
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _files(step_dir: Path) -> dict[str, Path]:
     return {str(p.relative_to(step_dir)): p for p in sorted(step_dir.rglob("*"))
             if p.is_file() and p.name != INTEGRITY_FILE}
@@ -87,7 +79,7 @@ def _files(step_dir: Path) -> dict[str, Path]:
 
 def write_integrity(step_dir: Path) -> None:
     """Record every file's size and sha256; atomically, so the record is whole or absent."""
-    record = {name: {"size": p.stat().st_size, "sha256": _digest(p)}
+    record = {name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
               for name, p in _files(step_dir).items()}
     tmp = step_dir / f".{INTEGRITY_FILE}.tmp"
     with open(tmp, "w") as f:
@@ -113,7 +105,7 @@ def verify_step(step_dir: Path) -> str | None:
         size = path.stat().st_size
         if size != want["size"]:
             return f"{name} has {size} bytes, {want['size']} were written"
-        if _digest(path) != want["sha256"]:
+        if file_sha256(path) != want["sha256"]:
             return f"{name} does not match its sha256 (damaged on disk)"
     return None
 
