@@ -15,6 +15,7 @@ from moelab import __version__
 from moelab.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
+    EXIT_OK,
     EXIT_USER_ERROR,
     Interrupted,
     UserError,
@@ -69,8 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        resolve_run_dir(args)
-        return int(args.func(args) or 0)
+        note = resolve_run_dir(args)
+        code = int(args.func(args) or 0)
+        if note and code == EXIT_OK:
+            print(note, file=sys.stderr)
+        return code
     except (UserError, FileNotFoundError) as err:  # ConfigError is a UserError
         # One bounded line: a message may quote a value read from a file of any size.
         print(bounded(f"moelab {args.command}: error: {err}"), file=sys.stderr)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -284,17 +283,20 @@ def add_run_dir(p: argparse.ArgumentParser, required: bool = True, positional: b
     p.set_defaults(run_dir=None, run_dir_required=required, run_dir_usage=p.prog)
 
 
-def resolve_run_dir(args: argparse.Namespace) -> None:
-    """args.run_dir from whichever form named it, refusing a missing or doubly-named run."""
+def resolve_run_dir(args: argparse.Namespace) -> str | None:
+    """Set args.run_dir from whichever form named it, refusing a missing or doubly-named
+    run; returns the deprecation note for `--run-dir` (the CLI prints it after a command
+    that succeeded, so an error stays one line), else None."""
     if not hasattr(args, "run_dir_flag"):
-        return
+        return None
     flag, usage = args.run_dir_flag, args.run_dir_usage
+    note = None
     if flag is not None:
         if args.run_dir is not None and Path(args.run_dir) != flag:
             raise UserError(f"two run directories given ({args.run_dir} and --run-dir "
                             f"{flag}); pass one: {usage} RUN_DIR")
-        print(f"note: --run-dir is deprecated; name the run first: {usage} {flag} ...",
-              file=sys.stderr)
+        note = f"note: --run-dir is deprecated; name the run first: {usage} {flag} ..."
         args.run_dir = flag
     if args.run_dir is None and args.run_dir_required:
         raise UserError(f"no run directory given; usage: {usage} RUN_DIR [options]")
+    return note

@@ -60,9 +60,12 @@ class RunLog:
             return
         changes = ({} if snapshot_change is None else
                    snapshot_changes(self.store, experiment, config, snapshot_change))
-        self.run_id = self.store.start_run(experiment, str(run_dir), config,
-                                           self._parent_run(fork))
-        marker.write_text(json.dumps({"run_id": self.run_id, "experiment": experiment}))
+        # the run dir's record is written inside the store's transaction: a run dir that
+        # cannot take it leaves no run in the lab, and a retry makes exactly one
+        self.run_id = self.store.start_run(
+            experiment, str(run_dir), config, self._parent_run(fork),
+            claim=lambda run_id: marker.write_text(
+                json.dumps({"run_id": run_id, "experiment": experiment})))
         self.store.import_history(self.run_id, self.metrics.read(), self.events.read())
         if changes:
             changed = {k: {"old": a, "new": b} for k, (a, b) in changes.items()}
