@@ -32,6 +32,10 @@ PARTS = [
 ]
 
 
+# OS errors that mean "this path cannot be written", not a bug: one line, exit 2
+PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where there is none to show (a required option,
     a None/False/[] default) or the help already names it."""
@@ -86,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moelab {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as err:
+        if err.errno in PATH_ERRORS:  # a path the checks could not foresee (a race, a mount)
+            print(bounded(f"moelab {args.command}: error: {err}; choose a path this user "
+                          "may write"), file=sys.stderr)
+            return EXIT_USER_ERROR
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(f"moelab {args.command}: error: {err}; free some space and rerun the same "

@@ -18,6 +18,17 @@ class RunDirOrAction(argparse._SubParsersAction):
     """`moelab export RUN_DIR --out HF` beside `moelab export verify RUN_DIR`: a first
     positional that names no action is the run directory, the rest is export's own."""
 
+    class _AnyWord(dict):
+        """argparse's choices: any first word passes (the run directory when it names no
+        action); the actions themselves stay in _name_parser_map."""
+
+        def __contains__(self, word: object) -> bool:
+            return True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices = self._AnyWord()
+
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         if values[0] in self._name_parser_map:
             return super().__call__(parser, namespace, values, option_string)

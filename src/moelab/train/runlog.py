@@ -132,3 +132,11 @@ def check_snapshot(run_dir: Path, experiment: str, config: dict, allow_change: b
         return
     with Store(default_lab_path(), mode="ro") as store:
         snapshot_changes(store, experiment, config, allow_change)
+
+
+def check_experiment(experiment: str, lab: Path | None = None) -> None:
+    """A UserError naming `experiment` if the lab has no such experiment (read-only)."""
+    from moelab.lab.store import Store, default_lab_path
+
+    with Store(lab or default_lab_path(), mode="ro") as store:
+        store.get_experiment(experiment)
