@@ -128,8 +128,10 @@ def _export(args: argparse.Namespace) -> None:
         print(f"note: trained with moe.dispatch={cfg.moe.dispatch}; the export (like "
               "`moelab generate`) computes every expert assignment, dropping none",
               file=sys.stderr)
+    from moelab.train.checkpoint import checkpoint_identity
+
     out = export_hf(model, cfg, args.out, _tokenizer_or_none(data_dir(cfg.data.path)),
-                    args.force)
+                    args.force, checkpoint_identity(args.run_dir, step))
     print(f"exported step {step} of {args.run_dir} to {out}")
 
 
@@ -141,9 +143,15 @@ def _generate(args: argparse.Namespace) -> None:
     check_sampling(args.temperature, args.top_p)
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as err:  # argv bytes that are not UTF-8 arrive as surrogates
+        raise UserError(f"--prompt is not UTF-8 text (a byte that is not UTF-8 at character "
+                        f"{err.start}); pass the prompt as UTF-8") from None
     model, cfg, _ = _load(args.run_dir)
     tokenizer = load_tokenizer(data_dir(cfg.data.path))
-    check_length_fits(cfg, len(tokenizer.encode(args.prompt).ids) + 1 + args.max_new_tokens)
+    prompt = len(tokenizer.encode(args.prompt).ids) or 1  # '' starts with end-of-text
+    check_length_fits(cfg, prompt + args.max_new_tokens, prompt)
     print(args.prompt + generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
                                       args.temperature, args.top_p, args.seed))
 
@@ -159,6 +167,7 @@ def _verify(args: argparse.Namespace) -> int:
     from moelab.errors import EXIT_FAILED, EXIT_OK, UserError
     from moelab.eval import golden as g
     from moelab.export.hf import check_export, check_exportable, export_hf
+    from moelab.train.checkpoint import checkpoint_identity
 
     if not args.bound > 0 or not args.margin_tol >= 0:
         raise UserError(f"--bound must be > 0 and --margin-tol >= 0, got {args.bound}, "
@@ -179,9 +188,13 @@ def _verify(args: argparse.Namespace) -> int:
         raise UserError(f"{out / 'hf'} was not made by moelab export (no {outputs.MARKER}); "
                         "move it away or choose another --out (verify exports into OUT/hf)")
     if args.export is not None:
-        _, changed = check_export(args.export)
+        check_export(args.export)  # a file gone: refused before any loading
     model, cfg, step = _load(args.run_dir)
     check_exportable(cfg)
+    ours = checkpoint_identity(args.run_dir, step)
+    changed = [] if args.export is None else _check_given_export(args.export, cfg, ours,
+                                                                 f"checkpoint {step} of "
+                                                                 f"{args.run_dir}")
     streams = []
     for source in _sources(data_dir(cfg.data.path)):
         streams.append(np.load(shard_path(data_dir(cfg.data.path), source, "val"), mmap_mode="r"))
@@ -195,11 +208,8 @@ def _verify(args: argparse.Namespace) -> int:
     if export_dir is None:
         if (out / "hf").exists():
             outputs.remove_ours(out / "hf")  # an earlier verify's export
-        export_dir = export_hf(model, cfg, out / "hf", _tokenizer_or_none(data_dir(cfg.data.path)))
-    elif not (export_dir / "config.json").is_file():
-        raise UserError(f"--export {export_dir} has no config.json; pass a `moelab export` "
-                        "output directory")
-    changed = check_export(export_dir)[1] if args.export is None else changed
+        export_dir = export_hf(model, cfg, out / "hf", _tokenizer_or_none(data_dir(cfg.data.path)),
+                               identity=ours)
     verdicts = [g.compare(golden, g.transformers_outputs(export_dir, golden), "transformers",
                           args.bound, args.margin_tol)]
     if changed:
@@ -218,6 +228,27 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"moelab export verify: FAILED: {' | '.join(failed)}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _check_given_export(export_dir: Path, cfg, ours: dict, where: str) -> list[str]:
+    """An --export checked against the run before anything is computed: its files (a file
+    gone is refused), the run, corpus and tokenizer it recorded, and its config.json.
+    Returns the files changed since moelab export wrote them."""
+    from moelab.errors import UserError
+    from moelab.export.hf import check_export, check_export_config
+
+    theirs, changed = check_export(export_dir)
+    for key, what in (("run_id", "run"), ("tokenizer_sha256", "tokenizer"),
+                      ("corpus_sha256", "corpus")):
+        if theirs.get(key) and ours.get(key) and theirs[key] != ours[key]:
+            raise UserError(f"{export_dir} is an export of {what} {theirs[key][:12]}, but "
+                            f"{where} has {what} {ours[key][:12]}; verify an export of "
+                            "this run")
+    if not (export_dir / "config.json").is_file():
+        raise UserError(f"--export {export_dir} has no config.json; pass a `moelab export` "
+                        "output directory")
+    check_export_config(export_dir, cfg)
+    return changed
 
 
 def _sources(data_path: str) -> list[str]:

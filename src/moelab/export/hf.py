@@ -41,6 +41,7 @@ import numpy as np
 
 from moelab.config import Config, ConfigError, ModelConfig
 from moelab.errors import UserError
+from moelab.schema import brief
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -286,6 +287,36 @@ def check_export(export_dir: Path) -> tuple[dict[str, Any], list[str]]:
                if outputs.file_sha256(export_dir / str(name)) != sha]
     identity = record.get("identity")
     return (identity if isinstance(identity, dict) else {}), changed
+
+
+def check_export_config(export_dir: Path, cfg: Config) -> None:
+    """The export's config.json is JSON and describes this run's model (`hf_config`): an
+    edited expert count or width would otherwise load with random weights, or not at all;
+    its weights file opens (a truncated one fails its header's length check)."""
+    path = export_dir / "config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} is not a readable JSON config ({type(err).__name__}); "
+                        "export again") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{path} is not a JSON object; export again")
+    ours = hf_config(cfg)
+    differs = [f"{k} {brief(saved.get(k), 20)} (the run's model: {brief(v, 20)})"
+               for k, v in ours.items() if k != "eos_token_id" and saved.get(k) != v]
+    if differs:
+        raise UserError(f"{path} does not describe this run's model: {'; '.join(differs[:3])}"
+                        "; export this run again")
+    weights = export_dir / WEIGHTS_FILE
+    if weights.exists():  # its header and length, without reading the tensors
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(weights), "np"):
+                pass
+        except Exception as err:  # noqa: BLE001 - the library's own error types
+            raise UserError(f"{weights} is not a readable safetensors file ({type(err).__name__}:"
+                            f" {str(err)[:100]}): truncated or damaged; export again") from None
 
 
 def export_hf(

@@ -35,11 +35,12 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from moelab.config import Config, config_from_dict, config_to_dict
+from moelab.config import Config, config_from_dict, config_to_dict, data_dir
 from moelab.errors import DivergenceError, UserError
 from moelab.outputs import file_sha256
 from moelab.parallel.mesh import is_tensor  # arrays or their shapes: restore templates
 from moelab.schema import MapOf, Number, SchemaError, brief, check, read_json
+from moelab.train import identity
 from moelab.train.plan import build_plan, stage_config
 from moelab.train.rundir import CHECKPOINT_DIR, QUARANTINE_DIR
 
@@ -371,6 +372,7 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
             cfg = config_from_dict(meta["config"])
         except UserError as err:  # the stored config is part of the checkpoint: damage
             raise SchemaError(ckpt.directory / str(step) / "meta", f"config: {err}") from None
+        identity.check(meta, Path(run_dir), data_dir(cfg.data.path), step)
         cfg = config_from_dict({**config_to_dict(cfg), "mesh": {"data": 1, "expert": 1}})
         cfg = stage_config(cfg, build_plan(cfg).at(max(step - 1, 0)))
         # Shapes only: building a real random model just to overwrite it costs a compile.
@@ -395,6 +397,14 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
     if found is None:
         raise UserError(f"no checkpoint in {ckpt.directory}; train a run first")
     return found
+
+
+def checkpoint_identity(run_dir: str | Path, step: int) -> dict[str, Any]:
+    """The identity (run id, corpus and tokenizer sha256) checkpoint `step` recorded; {}
+    for a checkpoint from before identities were recorded."""
+    meta = Checkpointer(Path(run_dir), keep=1_000_000, writer=False).read_meta(step)
+    found = meta.get(identity.IDENTITY_KEY)
+    return found if isinstance(found, dict) else {}
 
 
 def restore_weights(run_dir: str | Path, into, cfg: Config, step: int | None = None):

@@ -38,6 +38,7 @@ LOCK_FILE = "train.lock"
 WORKER_PID_FILE = "worker.pid"
 LAB_RUN_FILE = "lab_run.json"
 LINEAGE_FILE = "lineage.json"
+RUN_ID_FILE = "run_id.json"  # the run's id, which its checkpoints record (train/identity.py)
 
 _CHANGED_CONFIG = re.compile(r"config\.step-(\d+)\.yaml")
 
@@ -178,7 +179,7 @@ def _compare(saved: Any, where: str, run_dir: Path, cfg: Config,
 
 # What a run directory holds besides its checkpoints: the record of a run that trained.
 HISTORY = (METRICS_FILE, EVENTS_FILE, LAB_RUN_FILE, CONFIG_FILE, CHECKPOINT_DIR,
-           QUARANTINE_DIR, WORKER_PID_FILE)
+           QUARANTINE_DIR, WORKER_PID_FILE, RUN_ID_FILE)
 HISTORY_DIR = "history-"
 
 

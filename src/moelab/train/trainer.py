@@ -36,6 +36,7 @@ from moelab.model import Transformer
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
+from moelab.train import identity
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits, keep_freed_memory
@@ -126,6 +127,7 @@ class Trainer:
         # Before anything is written: a refused config leaves the run dir as it was.
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
+        self.data_dir, self.corpus = data_dir, identity.corpus_identity(data_dir)
         d = cfg.data
         self.plan = build_plan(cfg)
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
@@ -199,6 +201,7 @@ class Trainer:
             raise UserError(f"--from: {self.run_dir} already holds a run of its own; a branch "
                             "starts in a new --run-dir")
         self.model, self.opt_state, meta, step = found
+        identity.check(meta, self.run_dir, self.data_dir, step)
         # Its own config stands in for a deleted config.yaml, and must be this run's.
         self.config_changes = check_checkpoint_config(
             self.run_dir, self.cfg, self.allow_config_change, step, meta["config"]
@@ -312,7 +315,9 @@ class Trainer:
             self._refuse_save(refused)
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
-                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()}}
+                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
+                 identity.IDENTITY_KEY: {"run_id": identity.ensure_run_id(self.run_dir),
+                                         **self.corpus}}
         try:
             self.ckpt.save(self.step, self.model, self.opt_state, state)
         except DivergenceError as err:
