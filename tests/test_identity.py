@@ -77,9 +77,9 @@ def test_checkpoints_record_the_run_corpus_and_tokenizer(root):
 
 
 def test_a_checkpoint_of_another_run_is_refused_naming_both(root, capsys):
-    shutil.rmtree(root / "half" / "checkpoints" / "8")
-    shutil.copytree(root / "other" / "checkpoints" / "8", root / "half" / "checkpoints" / "8")
-    theirs, ours = run_id(root / "other"), run_id(root / "half")
+    # half's checkpoints are full's (a copy): with an id of its own, half is another run
+    theirs, ours = run_id(root / "half"), "0" * 32
+    (root / "half" / "run_id.json").write_text(json.dumps({"run_id": ours}))
     for argv in (["train", "half", "--config", "config.yaml"],
                  ["generate", "half", "--max-new-tokens", "1"],
                  ["eval", "bpb", "half"], ["export", "half", "--out", "hf"]):

@@ -33,7 +33,8 @@ PARTS = [
 
 
 # OS errors that mean "this path cannot be written", not a bug: one line, exit 2
-PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR)
+PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
+               errno.ENAMETOOLONG)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

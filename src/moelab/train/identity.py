@@ -77,6 +77,18 @@ def check(meta: dict[str, Any], run_dir: Path, data_dir: Path, step: int) -> Non
     for key, what in (("corpus_sha256", "corpus"), ("tokenizer_sha256", "tokenizer")):
         was, is_ = saved.get(key), now[key]
         if was and is_ and was != is_:
+            if key == "tokenizer_sha256" and not _loads(data_dir):
+                return  # a damaged file, not another tokenizer: its reader says so
             raise UserError(f"{where} was trained on the {what} with sha256 {was[:12]}, but "
                             f"{data_dir} holds the {what} {is_[:12]}; point data.path at the "
                             "run's own corpus")
+
+
+def _loads(data_dir: Path) -> bool:
+    from moelab.data.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(data_dir)
+    except UserError:
+        return False
+    return True

@@ -201,11 +201,11 @@ class Trainer:
             raise UserError(f"--from: {self.run_dir} already holds a run of its own; a branch "
                             "starts in a new --run-dir")
         self.model, self.opt_state, meta, step = found
-        identity.check(meta, self.run_dir, self.data_dir, step)
         # Its own config stands in for a deleted config.yaml, and must be this run's.
         self.config_changes = check_checkpoint_config(
             self.run_dir, self.cfg, self.allow_config_change, step, meta["config"]
         ) or self.config_changes
+        identity.check(meta, self.run_dir, self.data_dir, step)  # the same config, this run?
         self._check_plan_change(meta["config"], step)
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
