@@ -294,12 +294,7 @@ def fuzz(small_runs: Path, tmp_path: Path, monkeypatch, capfd, n_files: int,
     return tally
 
 
-TIMES = {}
-
-
 def report(tally: Counter, capfd) -> None:
-    with capfd.disabled():
-        print({k: round(v, 1) for k, v in TIMES.items()})
     with capfd.disabled():
         print(f"\nfuzz: {sum(tally.values())} cases: " +
               ", ".join(f"{k} x{v}" for k, v in sorted(tally.items())))
@@ -480,17 +475,12 @@ def run_surface(root: Path, capfd, data, tally: Counter, command: str, argv: lis
     before = snapshot(root, allowed)
     unwritable = str(out_path(root, "unwritable")) in argv and \
         data.draw(st.booleans(), label="unwritable")
-    import time as _t
-    _t0 = _t.perf_counter()
     with mock.patch("moelab.ladder.runner.run_ladder", lambda *a, **k: {}):
         if unwritable:
             with mock.patch("moelab.outputs.writable", lambda path: False):
                 code, _, err = run_cli(capfd, argv)
         else:
             code, _, err = run_cli(capfd, argv)
-    TIMES[f"{command}->{code}"] = TIMES.get(f"{command}->{code}", 0) + _t.perf_counter() - _t0
-    if command == "ladder":
-        print(err.strip().splitlines()[-1][:200], file=open("/tmp/rel_ladder.txt", "a"))
     check_exit(key, code, err)
     after = snapshot(root, allowed)
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
@@ -502,6 +492,7 @@ def run_surface(root: Path, capfd, data, tally: Counter, command: str, argv: lis
 def fuzz_surfaces(small_runs: Path, tmp_path: Path, monkeypatch, capfd, n: int) -> Counter:
     tally: Counter = Counter()
     root = copy_runs(small_runs, tmp_path / "surfaces", monkeypatch)
+    monkeypatch.setenv("MOELAB_LAB", str(root / "lab.sqlite"))  # ladder run --experiment's
     prepare_surfaces(root, capfd)
     lab = (root / "lab.sqlite").read_bytes()
     backup = tmp_path / "backup"
