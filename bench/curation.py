@@ -1,5 +1,5 @@
 """Curation at scale: prepare `--sources installed` (whole, or capped in documents per
-source), curate it with both embedders; figures -> bench/results/curation.json.
+source), curate it with both embedders; figures -> bench/results/curation/curation.json.
 
 Peak RSS is sampled (bench/rss.py: every 0.2 s, the RSS of this process plus its children
 summed, and the largest single process), not read from /usr/bin/time: the executor resets
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rss import Sampler  # bench/rss.py
 
-RESULTS = Path(__file__).parent / "results" / "curation.json"
+RESULTS = Path(__file__).parent / "results" / "curation" / "curation.json"
 
 
 def measured(name: str, results: dict, fn, *args, **kwargs):
@@ -75,7 +75,7 @@ def main() -> None:
                         choices=["prepare", "lexical", "neural", "mix", "mix_trust"],
                         help="phases to skip (their figures stay as the last run left them)")
     args = parser.parse_args()
-    from moelab.data.curate import curate
+    from moelab.curate.pipeline import curate
     from moelab.data.prepare import INSTALLED_SOURCES, prepare
 
     out = Path(args.out)
@@ -144,7 +144,7 @@ def search_cells(out: Path, args: argparse.Namespace, sub: str = "mix_cells",
     scale: proxies and validation runs are the preset itself (its steps and batch), so
     the predicted loss and the measured one are of the same run length."""
     from moelab.config import load_config
-    from moelab.data.mixsearch import mix_search
+    from moelab.curate.mixsearch import mix_search
     from moelab.train.cli import config_path, parse_overrides
 
     cfg = load_config(config_path("tiny"), parse_overrides(

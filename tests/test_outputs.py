@@ -127,17 +127,17 @@ def test_attach_to_an_unwritable_run_leaves_no_lab_run_and_a_retry_makes_one(
         one_line_error(*cli(capsys, "lab", "--lab", lab, "attach", "full",
                             "--experiment", exp)[::2], "not writable")
     # the run dir refusing the record inside the store's transaction: rolled back
-    import moelab.train.runlog as runlog
+    from pathlib import Path
 
     with monkeypatch.context() as m:
-        real = runlog.Path.write_text
+        real = Path.write_text
 
         def refuse(self, *args, **kwargs):
             if self.name == "lab_run.json":
                 raise PermissionError(13, "Permission denied", str(self))
             return real(self, *args, **kwargs)
 
-        m.setattr(runlog.Path, "write_text", refuse)
+        m.setattr(Path, "write_text", refuse)
         code, _, err = cli(capsys, "lab", "--lab", lab, "attach", "full", "--experiment", exp)
         one_line_error(code, err, "Permission denied")
     with Store(lab) as store:

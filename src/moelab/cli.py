@@ -24,6 +24,7 @@ from moelab.schema import bounded, resolve_run_dir
 
 PARTS = [
     "moelab.data.cli",
+    "moelab.curate.cli",  # after data: adds its commands under `moelab data`
     "moelab.train.cli",
     "moelab.ladder.cli",
     "moelab.lab.cli",

@@ -12,7 +12,6 @@ not do. That is also the function the Hugging Face export computes.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -23,21 +22,10 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from moelab.config import Config, ConfigError
 from moelab.model import Transformer
-from moelab.model.moe import MoE
+from moelab.model.transformer import with_dropless_dispatch
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-
-def with_dropless_dispatch(model: Transformer, block_size: int | None = None) -> Transformer:
-    """The same weights, routed with dropless dispatch (block_size: the CPU kernel's rows
-    per block; None keeps the model's)."""
-    moe = next((b.ffn.moe for b in model.blocks if isinstance(b.ffn, MoE)), None)
-    if moe is None:
-        return model  # all layers dense
-    moe = dataclasses.replace(moe, dispatch="dropless", block_size=block_size or moe.block_size)
-    skeleton = eqx.filter_eval_shape(Transformer.init, model.cfg, moe, jax.random.key(0))
-    return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

@@ -43,7 +43,6 @@ from moelab.ladder.fit import (
 from moelab.ladder.results import METRICS, RunResult
 from moelab.ladder.spec import LadderSpec, Rung
 from moelab.train.metrics import flops_per_token
-from moelab.train.plan import build_plan
 
 GRAD_NORM_LIMIT = 4.0  # the public record's long ladder runs passed it before logit z-loss
 SECONDARY_BOOTSTRAP = 200  # refits for the laws that are not the pre-registered one
@@ -102,7 +101,7 @@ def _target_areas(target: Rung, unique: float | None = None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The target's evaluation steps (as the trainer will score them) and S1, S2 there."""
     t = target.config.train
-    ends = build_plan(target.config).starts()  # a stage's end is evaluated too
+    ends = target.config.plan.starts()  # a stage's end is evaluated too
     steps = sorted({*range(t.eval_every, t.steps + 1, t.eval_every), *ends, t.steps})
     steps = [s for s in steps if s > target.config.optim.warmup_steps]
     s1, s2 = schedule_areas(target.config, unique)
@@ -156,7 +155,7 @@ def forecast(spec: LadderSpec, results: list[RunResult],
            "stability": _stability_forecast(spec, results),
            "lr_check": _lr_check(spec, results, lr_results),
            "fit_options": asdict(options)}
-    if build_plan(target.config).staged:
+    if target.config.plan.staged:
         out["stages"] = _stage_forecasts(spec, results, laws, unique,
                                          dict(zip(steps.tolist(), t_s1.tolist(), strict=True)))
         if options.stage_gain:  # the chain of stage gains is the final prediction
@@ -294,7 +293,7 @@ def _repetition(spec: LadderSpec, unique: float | None) -> dict[str, Any]:
 
 def stage_ends(rung: Rung) -> list[tuple[int, str, int, int]]:
     """(index, name, end step, tokens trained by then) of each stage of a run's plan."""
-    plan = build_plan(rung.config)
+    plan = rung.config.plan
     tokens = np.cumsum([0] + [plan.at(i).batch_size * plan.at(i).seq_len
                               for i in range(rung.config.train.steps)])
     return [(s.index, s.name, s.end, int(tokens[s.end])) for s in plan.stages]

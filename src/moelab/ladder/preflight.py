@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from moelab import outputs
 from moelab.config import ConfigError, data_dir
+from moelab.config.plan import check_sources
 from moelab.errors import UserError
 from moelab.ladder.fit import compute_levels
 from moelab.ladder.prereg import PREREG_FILE
 from moelab.ladder.spec import LadderSpec
-from moelab.train.plan import build_plan, check_sources
 
 # points each law is fitted to (fit.py's _check_points): L(N, D) has 5 parameters, L(C)
 # 3, fitted to one IsoFLOP minimum per compute level
@@ -29,9 +29,10 @@ def check_ladder_run(spec: LadderSpec, experiment: str | None) -> None:
     _check_noise(spec)
     _check_sources(spec)
     if experiment:
-        from moelab.train.runlog import check_experiment
+        from moelab.lab.store import Store, default_lab_path
 
-        check_experiment(experiment)
+        with Store(default_lab_path(), mode="ro") as store:
+            store.get_experiment(experiment)  # a UserError naming it if unknown
     legacy = any((spec.out / r.name).is_dir() for r in spec.runs()) or (
         spec.out / PREREG_FILE).exists()  # a ladder directory from before the marker
     outputs.check_dir(spec.out, ours=outputs.is_ours(spec.out) or legacy)
@@ -72,6 +73,6 @@ def _check_sources(spec: LadderSpec) -> None:
         except UserError:
             continue  # a damaged corpus: the trainer says what is wrong with it
         try:
-            check_sources(build_plan(rung.config), sources)
+            check_sources(rung.config.plan, sources)
         except ConfigError as err:
             raise ConfigError(f"{rung.name}: {err}") from None

@@ -44,6 +44,7 @@ def ensure_trained(spec: LadderSpec, rung: Rung, label: str,
         done = result(rung, path, spec.fit.metric)
         print(f"{head}: already trained, {spec.fit.metric}={done.final_val_loss:.4f}", flush=True)
         return done
+    import moelab.lab  # noqa: F401  (registers the lab the trainer reports to: train/sink.py)
     from moelab.ladder.evaluate import make_evaluator
     from moelab.train import trainer  # jax is imported only when something trains
 

@@ -6,7 +6,7 @@ A spec is YAML:
     out: runs/ladder/default      # optional; default: runs/ladder/<name>
     base: {data: ..., optim: ...} # a partial config applied to every rung and the target
                                   # (with `stages:`, every run runs that plan at the same
-                                  # fractions of its steps; see moelab.train.plan)
+                                  # fractions of its steps; see moelab.config.plan)
     seeds: [1, 2, 3]              # optional: every rung is trained once per seed
     evals: 10                     # optional: scored on the whole val split every 1/evals
     rungs:
@@ -43,7 +43,6 @@ from moelab.ladder.fit import CURVE_FORMS
 from moelab.schema import brief, read_yaml
 from moelab.train.metrics import active_params, flops_per_token, total_params
 from moelab.train.optimizer import width_factor
-from moelab.train.plan import build_plan
 
 MIN_POINTS = 3  # L(C) has three parameters; more points leave residuals to check it by
 MIN_TARGET_RATIO = 8.0  # the target's compute over the largest rung's, at least
@@ -221,7 +220,7 @@ def _branch_starts(config: Config, branches: list[int], where: str) -> dict[int,
                 f"{start}, which must lie after warmup ({o.warmup_steps}) and inside the "
                 f"rung's stable phase (up to step {stable_end(config)} of {steps}); "
                 "choose shorter branches or a longer rung")
-        plans = (build_plan(config), build_plan(probe))
+        plans = (config.plan, probe.plan)
         before = [[b for b in plan.starts() if b < start] for plan in plans]
         if before[0] != before[1]:
             raise ConfigError(
@@ -397,7 +396,7 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
     validate_compute(rungs, target)
     lr_runs = _lr_runs(raw.get("lr_check"), rungs)
     fit = _fit_options(raw.get("fit"))
-    if fit.stage_gain and not build_plan(target.config).staged:
+    if fit.stage_gain and not target.config.plan.staged:
         raise ConfigError("fit.stage_gain: the plan has one stage, so there is no stage gain "
                           "to fit; add `stages:` to base, or drop stage_gain")
     return LadderSpec(name=name, out=Path(out or raw.get("out") or Path("runs/ladder") / name),

@@ -36,12 +36,12 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from moelab.config import Config, config_from_dict, config_to_dict, data_dir
+from moelab.config.plan import stage_config
 from moelab.errors import DivergenceError, UserError
 from moelab.outputs import file_sha256
 from moelab.parallel.mesh import is_tensor  # arrays or their shapes: restore templates
 from moelab.schema import MapOf, Number, SchemaError, brief, check, read_json
 from moelab.train import identity
-from moelab.train.plan import build_plan, stage_config
 from moelab.train.rundir import CHECKPOINT_DIR, QUARANTINE_DIR
 
 INTEGRITY_FILE = "integrity.json"
@@ -284,7 +284,7 @@ class Checkpointer:
         if mismatches:
             raise UserError(
                 f"checkpoint {step} in {self.directory} was written by an incompatible "
-                f"config ({'; '.join(mismatches)}); use a new --run-dir or the original config")
+                f"config ({'; '.join(mismatches)}); use a new RUN_DIR or the original config")
         params, static = eqx.partition(model, is_tensor)
         templates = {"params": jax.tree.leaves(params), "opt": jax.tree.leaves(opt_state)}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, templates)
@@ -323,7 +323,7 @@ class Checkpointer:
         if steps:
             raise UserError(f"every checkpoint in {self.directory} is damaged (steps "
                             f"{', '.join(map(str, steps))}; reasons above); use a new "
-                            "--run-dir to start over")
+                            "RUN_DIR to start over")
         return None
 
     def _reject(self, step: int, reason: str) -> None:
@@ -348,7 +348,7 @@ def verify_run(run_dir: str | Path) -> list[tuple[int, str | None]]:
     """(step, reason or None) for every checkpoint of a run, oldest first; read-only."""
     directory = Path(run_dir) / CHECKPOINT_DIR
     if not directory.is_dir():
-        raise UserError(f"no checkpoints in {directory}; pass the --run-dir of a training run")
+        raise UserError(f"no checkpoints in {directory}; pass the RUN_DIR of a training run")
     steps = sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
     return [(step, verify_step(directory / str(step))) for step in steps]
 
@@ -374,7 +374,7 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
             raise SchemaError(ckpt.directory / str(step) / "meta", f"config: {err}") from None
         identity.check(meta, Path(run_dir), data_dir(cfg.data.path), step)
         cfg = config_from_dict({**config_to_dict(cfg), "mesh": {"data": 1, "expert": 1}})
-        cfg = stage_config(cfg, build_plan(cfg).at(max(step - 1, 0)))
+        cfg = stage_config(cfg, cfg.plan.at(max(step - 1, 0)))
         # Shapes only: building a real random model just to overwrite it costs a compile.
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)

@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds before the first restart; doubles each time (up to "
                         f"{MAX_WAIT_S:.0f} s)")
     p.add_argument("--restart-from-scratch", action="store_true",
-                   help="move an earlier run's files in --run-dir to history-*/ and train "
+                   help="move an earlier run's files in RUN_DIR to history-*/ and train "
                         "from step 0 (needed when its checkpoints are gone)")
     p.add_argument("--experiment", help="attach this run to a lab experiment id")
     p.add_argument("--from", dest="parent", metavar="RUN_DIR[@STEP]",

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import optax
 
 from moelab.config import Config, OptimConfig
+from moelab.config.plan import RestartConfig
 from moelab.model.balance import without_bias
 from moelab.model.layers import RMSNorm
-from moelab.train.plan import RestartConfig, build_plan
 
 
 def warmup_length(cfg: OptimConfig, total_steps: int) -> int:
@@ -66,9 +66,9 @@ def restart_schedule(cfg: OptimConfig, restart: RestartConfig, length: int) -> o
 
 def run_schedule(cfg: Config) -> optax.Schedule:
     """The LR of every step of the run: `optim`'s schedule over `train.steps`, replaced from
-    each stage with a `restart` by that stage's own schedule (`train/plan.py`)."""
+    each stage with a `restart` by that stage's own schedule (`config/plan.py`)."""
     base = lr_schedule(cfg.optim, cfg.train.steps)
-    segments = build_plan(cfg).lr_segments()
+    segments = cfg.plan.lr_segments()
     if all(restart is None for _, _, restart in segments):
         return base
     parts = [(lambda step, a=a: base(step + a)) if restart is None  # join_schedules shifts

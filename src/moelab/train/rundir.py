@@ -57,7 +57,7 @@ class RunDirLock:
 
     def __enter__(self) -> RunDirLock:
         if self.path.parent.exists() and not self.path.parent.is_dir():
-            raise UserError(f"--run-dir {self.path.parent} is a file, not a directory; "
+            raise UserError(f"RUN_DIR {self.path.parent} is a file, not a directory; "
                             "pass a directory path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -69,7 +69,7 @@ class RunDirLock:
             if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
             raise UserError(f"{self.path.parent} is in use by another trainer (pid {holder}); "
-                            "wait for it to finish or stop it, or pass another --run-dir"
+                            "wait for it to finish or stop it, or pass another RUN_DIR"
                             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
@@ -172,7 +172,7 @@ def _compare(saved: Any, where: str, run_dir: Path, cfg: Config,
     if refused and not allow_change:
         raise ConfigError(f"the config differs from the run's {where} in {run_dir} "
                           f"(incompatible config: {_listed(refused)}); rerun with the run's "
-                          "config, use a new --run-dir, or pass --allow-config-change to "
+                          "config, use a new RUN_DIR, or pass --allow-config-change to "
                           "record the change and continue")
     return changes
 

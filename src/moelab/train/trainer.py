@@ -29,20 +29,20 @@ from moelab.config import (
     config_to_dict,
     data_dir,
 )
+from moelab.config.plan import Stage, check_sources, stage_config
 from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
-from moelab.eval.bpb import domain_metrics, tokenizer_bytes
 from moelab.model import Transformer
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train import identity
+from moelab.train.bpb import domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits, keep_freed_memory
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
-from moelab.train.plan import Stage, build_plan, check_sources, stage_config
 from moelab.train.rundir import (
     CHECKPOINT_DIR,
     LAB_RUN_FILE,
@@ -129,7 +129,7 @@ class Trainer:
         data_dir = prepared_data(cfg)
         self.data_dir, self.corpus = data_dir, identity.corpus_identity(data_dir)
         d = cfg.data
-        self.plan = build_plan(cfg)
+        self.plan = cfg.plan
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
                              d.max_epochs or None, cfg.train.steps * d.batch_size * d.seq_len)
         if d.mixture or d.max_epochs:
@@ -199,7 +199,7 @@ class Trainer:
             return 0
         if self.parent is not None and not (self.run_dir / LINEAGE_FILE).exists():
             raise UserError(f"--from: {self.run_dir} already holds a run of its own; a branch "
-                            "starts in a new --run-dir")
+                            "starts in a new RUN_DIR")
         self.model, self.opt_state, meta, step = found
         # Its own config stands in for a deleted config.yaml, and must be this run's.
         self.config_changes = check_checkpoint_config(
@@ -220,7 +220,7 @@ class Trainer:
         weights_only its optimizer state) at its step, so this run's curve forks there."""
         src = Path(parent.run_dir).absolute()
         if src == self.run_dir.absolute():
-            raise UserError(f"--from {parent.run_dir}: that is this run's own --run-dir")
+            raise UserError(f"--from {parent.run_dir}: that is this run's own RUN_DIR")
         if not (src / CHECKPOINT_DIR).is_dir():
             raise UserError(f"--from {parent.run_dir}: no checkpoints there; pass the run dir "
                             "of a training run")
@@ -256,7 +256,7 @@ class Trainer:
     def _check_plan_change(self, saved: dict, step: int) -> None:
         """Refuse a resume whose plan changes a stage that has trained (one-line error);
         stages yet to start may change, recorded as a plan_change event."""
-        old = build_plan(config_from_dict(saved))
+        old = config_from_dict(saved).plan
         if not (old.staged or self.plan.staged):
             return  # one implicit stage: train.steps may change (a cooldown branch does)
         changed = old.started_changes(self.plan, step)
@@ -264,7 +264,7 @@ class Trainer:
             raise ConfigError(f"stages: the plan changes {', '.join(changed)}, which has "
                               f"already trained (resuming at step {step}); only stages that "
                               "start later may change: branch instead with `moelab train "
-                              f"--from {self.run_dir}@STEP` into a new --run-dir")
+                              f"--from {self.run_dir}@STEP` into a new RUN_DIR")
 
     def _start_without_checkpoint(self) -> None:
         """Start at step 0, unless the run directory shows that a checkpoint existed:
@@ -289,7 +289,7 @@ class Trainer:
                 f"({'; '.join(evidence)}) but no usable checkpoint in checkpoints/; training "
                 "again from step 0 would repeat its steps in the same record. Rerun with "
                 "--restart-from-scratch to archive the old files (to history-*/) and start "
-                "over, or pass a new --run-dir")
+                "over, or pass a new RUN_DIR")
         if metrics:
             self.log.rewind_to(0)
             self.log.event(0, "fresh_start", f"no checkpoint was saved before (the first is "
