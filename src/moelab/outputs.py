@@ -81,8 +81,8 @@ def check_dir(path: Path, force: bool = False, flag: str = "--out",
     mine = is_ours(path) if ours is None else ours
     if not mine:
         raise UserError(f"{flag} {path} is not empty and moelab did not make it (no {MARKER} "
-                        "in it); choose an empty or new directory (--force replaces only "
-                        "directories moelab made)")
+                        "in it); choose an empty or new directory"
+                        + (" (--force replaces only directories moelab made)" if force else ""))
     return True
 
 

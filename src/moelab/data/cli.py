@@ -110,10 +110,14 @@ def parse_quality(specs: list[str]) -> dict[str, list[float | None]]:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from moelab.data.prepare import SOURCE_PRESETS, prepare
+    from moelab import outputs
+    from moelab.data.loader import META_FILE
+    from moelab.data.prepare import SOURCE_PRESETS, WORK_DIR, prepare
+    from moelab.data.provenance import MANIFEST_DIR
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():  # before hours of ingest
-        raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
+    out = Path(args.out)  # checked before hours of ingest; a dataset of its own resumes
+    outputs.check_dir(out, ours=any((out / name).exists()
+                                    for name in (META_FILE, WORK_DIR, MANIFEST_DIR)))
     sources = parse_sources(args.source)
     if args.sources and sources:
         raise UserError("give --sources PRESET or --source NAME=GLOB, not both")
