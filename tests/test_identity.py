@@ -133,6 +133,9 @@ def test_one_way_to_name_a_run_and_the_old_one_still_works(root, capsys):
     for argv in (["generate"], ["export", "verify"], ["eval", "bpb"], ["export", "--out", "x"]):
         refused(cli(capsys, *argv), "no run directory given", "RUN_DIR")
     refused(cli(capsys, "eval", "bpb", "full", "--run-dir", "other"), "two run directories")
+    refused(cli(capsys, "export", "full", "verify"), "moelab export verify full")
+    (root / "afile").write_text("x")  # --out given before RUN_DIR is kept, and checked
+    refused(cli(capsys, "export", "--out", "afile", "full"), "--out afile is a file")
     # an existing run resumes with its own config.yaml, not the tiny preset
     code, out, err = cli(capsys, "train", "full")
     assert code == 0 and "done: step 16" in out, err

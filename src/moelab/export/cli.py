@@ -34,8 +34,12 @@ class RunDirOrAction(argparse._SubParsersAction):
             return super().__call__(parser, namespace, values, option_string)
         namespace.run_dir = Path(values[0])
         parsed, extras = parser.parse_known_args(values[1:], None)
-        for key, value in vars(parsed).items():
-            if key != "run_dir" and value is not None:
+        if getattr(parsed, self.dest) is not None:
+            raise argparse.ArgumentError(self, f"the run directory goes after the action: "
+                                               f"{parser.prog} {getattr(parsed, self.dest)} "
+                                               f"{values[0]}")
+        for key, value in vars(parsed).items():  # what the options before RUN_DIR set stays
+            if key != "run_dir" and (value is not None or not hasattr(namespace, key)):
                 setattr(namespace, key, value)
         if extras:
             vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, []).extend(extras)
