@@ -121,6 +121,7 @@ def _tokenizer_or_none(data_path: Path):
 def _export(args: argparse.Namespace) -> None:
     from moelab.errors import UserError
     from moelab.export.hf import check_exportable, check_out, export_hf
+    from moelab.model.dispatch import entry_of
 
     if args.out is None:
         raise UserError("export needs --out HFDIR: moelab export RUN_DIR --out HFDIR (or "
@@ -128,7 +129,7 @@ def _export(args: argparse.Namespace) -> None:
     check_out(args.out, args.force)  # before any loading
     model, cfg, step = _load(args.run_dir)
     check_exportable(cfg)  # before the tokenizer is looked for
-    if cfg.moe.dispatch != "dropless":
+    if entry_of(cfg.moe).drops:
         print(f"note: trained with moe.dispatch={cfg.moe.dispatch}; the export (like "
               "`moelab generate`) computes every expert assignment, dropping none",
               file=sys.stderr)

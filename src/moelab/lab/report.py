@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 
 from moelab.lab.records import Event, Experiment, Prediction, Run
 from moelab.lab.store import Store
+from moelab.train.health import DEAD_METRIC
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,12 @@ PLOTS = (
              "dropped tokens (fraction of routed)"),
     PlotSpec("expert_load", "Expert load, max / mean, per layer", "expert_load_max_over_mean",
              "busiest expert's tokens / mean (ratio)"),
+    # balance health (train/health.py): deaths and revivals marked
+    PlotSpec("dead_experts", "Dead experts per layer (no token for train.dead_expert_window "
+             "steps)", DEAD_METRIC, "dead experts (count)",
+             marks=("expert_dead", "expert_revived")),
+    PlotSpec("router_entropy", "Router entropy per layer", "router_entropy",
+             "mean routing entropy (nats)"),
 )
 # Units of the other metrics the trainer logs, for charts of any metric.
 UNITS = {"lr": "learning rate", "tokens_per_s": "throughput (tokens/s)",

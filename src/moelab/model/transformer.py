@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model.attention import Attention, KVCache
+from moelab.model.dispatch import DROPLESS
 from moelab.model.layers import RMSNorm, SwiGLU, linear, normal, rope_angles
 from moelab.model.moe import SAVE_MOE_NAMES, MoE, MoEStats
 
@@ -167,7 +168,7 @@ def with_dropless_dispatch(model: Transformer, block_size: int | None = None) ->
     moe = next((b.ffn.moe for b in model.blocks if isinstance(b.ffn, MoE)), None)
     if moe is None:
         return model  # all layers dense
-    moe = dataclasses.replace(moe, dispatch="dropless", block_size=block_size or moe.block_size)
+    moe = dataclasses.replace(moe, dispatch=DROPLESS.name, block_size=block_size or moe.block_size)
     skeleton = eqx.filter_eval_shape(Transformer.init, model.cfg, moe, jax.random.key(0))
     return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
 

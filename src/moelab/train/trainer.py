@@ -33,12 +33,14 @@ from moelab.config.plan import Stage, check_sources, stage_config
 from moelab.data.loader import Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.model import Transformer
+from moelab.model.dispatch import check_dispatch
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train import identity
 from moelab.train.bpb import domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
+from moelab.train.health import DEAD_METRIC, ExpertHealth
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits, keep_freed_memory
 from moelab.train.metrics import mfu
@@ -164,6 +166,7 @@ class Trainer:
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
+        self.health = ExpertHealth(t.dead_expert_window)
         permanent = self.plan.starts() if t.keep_stage_checkpoints else []
         self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, permanent=permanent)
         self.log = RunLog(run_dir, experiment, config_to_dict(cfg),
@@ -210,6 +213,8 @@ class Trainer:
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
             self.detectors[name].load_state_dict(state)
+        if "health" in meta:  # checkpoints from before balance health have none
+            self.health.load_state_dict(meta["health"])
         self.log.rewind_to(step)
         self.log.event(step, "resume", f"resumed from checkpoint at step {step}")
         print(f"resumed from checkpoint at step {step}")
@@ -316,6 +321,7 @@ class Trainer:
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
                  "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
+                 "health": self.health.state_dict(),
                  identity.IDENTITY_KEY: {"run_id": identity.ensure_run_id(self.run_dir),
                                          **self.corpus}}
         try:
@@ -458,6 +464,7 @@ class Trainer:
         record = self._record(parts, self.lr(step - 1), tokens_per_s, stage)
         self._check_finite(step, record)
         self._flag_spikes(step, record)
+        self._check_health(step, parts, record)
         if evaluate:
             record.update(self.evaluate())
         self.log.step(step, record)
@@ -498,6 +505,16 @@ class Trainer:
                 self.log.event(step, flag, f"{name} = {record[name]:.4g} flagged as {flag}")
                 record[f"{flag}/{name}"] = 1.0
 
+    def _check_health(self, step: int, parts: dict, record: dict) -> None:
+        """Dead experts per MoE layer (train/health.py), and an event when one dies or
+        revives."""
+        if "tokens_per_expert" not in parts:  # a dense model
+            return
+        for kind, message in self.health.update(parts["tokens_per_expert"]):
+            self.log.event(step, kind, message)
+        for i, dead in enumerate(self.health.dead()):
+            record[f"{DEAD_METRIC}/layer_{i}"] = float(dead)
+
     def _maybe_fault(self) -> None:
         if os.environ.get(FAULT_ENV) == str(self.step):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -533,6 +550,7 @@ def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
         # start leaves nothing behind. The corpus is prepared outside StopRequest, whose
         # "finish this step" has no step to finish there.
         check_identity(run_dir, cfg, allow_config_change)
+        check_dispatch(cfg)  # its registry entry's mesh checks
         if experiment and match_experiment:
             check_snapshot(run_dir, experiment, config_to_dict(cfg), allow_config_change)
         prepared_data(cfg)
