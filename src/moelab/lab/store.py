@@ -91,7 +91,7 @@ class Store:
         self._mirrors: dict[str, Any] = {}  # run id -> wandb run, for runs started here
         try:
             self._prepare(mode)
-        except sqlite3.DatabaseError as err:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as err:  # text bytes damaged too
             self._db.close()
             raise UserError(
                 f"{self.path} is not a readable moelab lab database ({err}); move it aside "
