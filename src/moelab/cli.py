@@ -30,6 +30,7 @@ PARTS = [
     "moelab.lab.cli",
     "moelab.export.cli",
     "moelab.eval.cli",
+    "moelab.serve.cli",
 ]
 
 

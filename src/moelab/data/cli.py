@@ -22,7 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare = commands.add_parser(
         "prepare", help="ingest, deduplicate, train a tokenizer and write token shards"
     )
-    prepare.add_argument("--out", required=True, help="dataset directory to write")
+    prepare.add_argument("--out", default=None, help="dataset directory to write (with "
+                         "--preset: default, the preset's data.path under $MOELAB_HOME)")
+    prepare.add_argument("--preset", choices=sorted(CORPUS_PRESET_NAMES), default=None,
+                         help="a named corpus, every setting fixed (ladder: the default sources "
+                         "without the 400-file cap, ~35M train tokens; data.path "
+                         "runs/data/ladder)")
     prepare.add_argument(
         "--source", action="append", default=[], metavar="NAME=GLOB",
         help="files of one source; repeat for more sources or more globs of one source, "
@@ -33,6 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "Python package's sources + system docs (a corpus to measure scale)")
     prepare.add_argument("--vocab-size", type=int_in(260, 2**20), default=4096,
                          help="BPE tokenizer size, special tokens included")
+    prepare.add_argument("--chat-tokens", action="store_true",
+                         help="also put the chat template's <|im_start|> / <|im_end|> in the "
+                         "vocabulary (its last two ids) and store the template: a corpus for "
+                         "a base model that is later fine-tuned on conversations")
     prepare.add_argument("--near-dup-threshold", type=float_in(0.0, 1.0), default=0.8,
                          help="MinHash Jaccard at or above which a document is a near dup")
     prepare.add_argument("--val-fraction", type=float_in(0.0, 0.5), default=0.05,
@@ -109,12 +118,47 @@ def parse_quality(specs: list[str]) -> dict[str, list[float | None]]:
     return thresholds
 
 
+# The options a corpus preset fixes: {prepare()'s keyword: (its argparse dest, its flag)}.
+PRESET_OPTIONS = {"vocab_size": ("vocab_size", "--vocab-size"),
+                  "near_dup_threshold": ("near_dup_threshold", "--near-dup-threshold"),
+                  "val_fraction": ("val_fraction", "--val-fraction"),
+                  "min_chars": ("min_chars", "--min-chars"),
+                  "max_docs_per_source": ("max_docs", "--max-docs"),
+                  "max_chars": ("max_chars", "--max-chars"),
+                  "long_files": ("long_files", "--long-files")}
+CORPUS_PRESET_NAMES = ("ladder",)  # moelab.data.prepare.CORPUS_PRESETS (imported lazily)
+
+
+def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """args with --preset's sources, settings and (unless given) --out filled in; an option
+    that the preset fixes given another value is refused, so a preset's name always means
+    the same settings."""
+    from moelab.config import data_dir
+    from moelab.data.prepare import CORPUS_PRESETS
+
+    preset = CORPUS_PRESETS[args.preset]
+    if args.source or args.sources or args.quality:
+        raise UserError(f"--preset {args.preset} fixes the sources and quality thresholds; "
+                        "drop --source/--sources/--quality, or drop --preset")
+    for key, value in preset["settings"].items():
+        dest, flag = PRESET_OPTIONS[key]
+        if getattr(args, dest) != value:
+            raise UserError(f"--preset {args.preset} fixes {flag} to {value}; drop {flag} "
+                            f"{getattr(args, dest)}, or drop --preset")
+    out = args.out or str(data_dir(preset["path"]))
+    return argparse.Namespace(**{**vars(args), "sources": preset["sources"], "out": out})
+
+
 def run_prepare(args: argparse.Namespace) -> int:
     from moelab import outputs
     from moelab.data.loader import META_FILE
     from moelab.data.prepare import SOURCE_PRESETS, WORK_DIR, prepare
     from moelab.data.provenance import MANIFEST_DIR
 
+    if args.preset:
+        args = apply_preset(args)
+    if args.out is None:
+        raise UserError("--out: give the dataset directory to write (or a --preset)")
     out = Path(args.out)  # checked before hours of ingest; a dataset of its own resumes
     outputs.check_dir(out, ours=any((out / name).exists()
                                     for name in (META_FILE, WORK_DIR, MANIFEST_DIR)))
@@ -127,7 +171,7 @@ def run_prepare(args: argparse.Namespace) -> int:
             max_docs_per_source=args.max_docs, workers=args.workers, use_ray=args.ray,
             quality_thresholds=parse_quality(args.quality), shard_docs=args.shard_docs,
             partitions=args.partitions, max_chars=args.max_chars or None,
-            long_files=args.long_files)
+            long_files=args.long_files, chat_tokens=args.chat_tokens)
     return run_stats(argparse.Namespace(dir=args.out))
 
 

@@ -38,8 +38,8 @@ X_LABEL = "step (optimizer updates)"
 PLOTS = (
     PlotSpec("loss", "Training loss (predictions as bands)", "loss", "loss (nats/token)",
              marks=("restart", "resume", "config_change", "stage", "branch", "plan_change")),
-    PlotSpec("val_loss", "Validation loss per source", "val_loss",
-             "validation loss (nats/token)"),
+    PlotSpec("val_loss", "Validation loss per source (overfitting marked)", "val_loss",
+             "validation loss (nats/token)", marks=("overfit",)),
     PlotSpec("val_bpb", "Validation bits per byte per domain (tokenizer-independent)",
              "val_bpb", "bits per byte"),
     PlotSpec("task_acc", "Held-out task accuracy (`moelab eval`, ranked classification)",
@@ -60,7 +60,8 @@ PLOTS = (
 # Units of the other metrics the trainer logs, for charts of any metric.
 UNITS = {"lr": "learning rate", "tokens_per_s": "throughput (tokens/s)",
          "mfu": "model FLOPs utilization (fraction of peak)",
-         "val_bpb_macro": "bits per byte, mean over domains"}
+         "val_bpb_macro": "bits per byte, mean over domains",
+         "train_val_gap": "validation minus training loss (nats/token)"}
 
 
 def y_label(metric: str) -> str:
@@ -220,7 +221,8 @@ def tables(view: ExperimentView) -> list[Table]:
         ("Runs", ["run", "status", "last step", "last loss", "directory", "message"], runs),
         ("Predictions", ["name", "metric", "value", "range", "observed", "within range",
                          "registered", "scored against"], predictions),
-        ("Events (restarts, spikes, config changes)", ["run", "step", "kind", "message"], events),
+        ("Events (restarts, spikes, overfitting, config changes)",
+         ["run", "step", "kind", "message"], events),
     ]
 
 

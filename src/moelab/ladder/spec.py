@@ -57,7 +57,9 @@ class FitOptions:
     confidence: float = 0.9  # two-sided coverage of the interval
     seed: int = 0  # of the bootstrap's resampling
     noise_sd: float | None = None  # per-run seed sd (nats) when the spec has no replicates
-    law: str = "chinchilla"  # whose value is the prediction: chinchilla | compute | curve
+    # whose value is the prediction: chinchilla | compute | curve | backtest (the law with
+    # the smallest extrapolation error in the rungs' backtests; needs misspecification)
+    law: str = "chinchilla"
     # the whole-curve law's form (moelab.ladder.curve): "q" (chosen by the rung-only
     # backtests of bench/curve_law_study.py) or "tissue" (Tissue et al. 2024's)
     curve_law: str = "q"
@@ -76,6 +78,16 @@ class FitOptions:
     # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
     # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
     metric: str = "loss"
+    # true: pre-register a target that passes over some source more often than every rung
+    # did (and more than once), a regime the rungs never measured; false: refuse it
+    # (moelab.ladder.repetition)
+    accept_repetition: bool = False
+    # true: every law's interval adds a misspecification term estimated from the ladder's
+    # own extrapolating backtests, scaled by the target's distance past the top compute
+    # level (moelab.ladder.misspec), and the record states the backtests' coverage and
+    # whether the laws disagree by more than the interval; `law: backtest` then picks the
+    # law with the smallest backtest error rate. false: seed noise only (specs before it)
+    misspecification: bool = False
 
 
 @dataclass(frozen=True)
@@ -284,12 +296,21 @@ def _fit_options(raw: Any) -> FitOptions:
     if options.metric not in ("loss", "bpb_macro"):
         raise ConfigError(f"fit.metric: {options.metric!r} is not one of ['loss', 'bpb_macro']")
     laws = ("chinchilla", "compute", "curve")
-    if options.law not in laws:
-        raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
+    if not isinstance(options.misspecification, bool):
+        raise ConfigError(f"fit.misspecification: must be true or false, got "
+                          f"{options.misspecification!r}")
+    if options.law == "backtest" and not options.misspecification:
+        raise ConfigError("fit.law: backtest chooses by the misspecification backtests; set "
+                          "fit.misspecification: true, or name the law")
+    if options.law not in (*laws, "backtest"):
+        raise ConfigError(f"fit.law: {options.law!r} is not one of {[*laws, 'backtest']}")
     if options.stage_law is not None and options.stage_law not in laws:
         raise ConfigError(f"fit.stage_law: {options.stage_law!r} is not one of {list(laws)}")
     if not isinstance(options.stage_gain, bool):
         raise ConfigError(f"fit.stage_gain: must be true or false, got {options.stage_gain!r}")
+    if not isinstance(options.accept_repetition, bool):
+        raise ConfigError(f"fit.accept_repetition: must be true or false, got "
+                          f"{options.accept_repetition!r}")
     if options.repetition not in ("muennighoff", "none"):
         raise ConfigError(f"fit.repetition: {options.repetition!r} is not one of "
                           "['muennighoff', 'none']")
@@ -405,14 +426,16 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
 
 # The ladder presets are the specs in the repository's configs/ladder/ (they name their
 # committed results), found beside the source tree: a checkout installed with `pip install
-# -e .`, as the README's set-up does. A name that is not a file is looked up there.
+# -e .`, as the README's set-up does. A name that is not a file is looked up there, in its
+# dev/ (the specs methods are chosen on) and heldout/ (written before they ran) folders.
 LADDER_PRESETS = Path(__file__).resolve().parents[3] / "configs" / "ladder"
 
 
 def load_spec(path: str | Path, out: str | Path | None = None) -> LadderSpec:
     """A ladder spec from a YAML file or a preset name (`default` is
-    configs/ladder/default.yaml, see LADDER_PRESETS)."""
-    presets = {p.stem: p for p in sorted(LADDER_PRESETS.glob("*.yaml"))}
+    configs/ladder/dev/default.yaml, see LADDER_PRESETS)."""
+    found = [*LADDER_PRESETS.glob("*.yaml"), *LADDER_PRESETS.glob("*/*.yaml")]
+    presets = {p.stem: p for p in sorted(found)}
     path = preset_or_file(path, presets, "ladder spec")
     if not path.is_file():
         raise ConfigError(f"ladder spec {path} does not exist")

@@ -30,7 +30,8 @@ from moelab.config import (
     data_dir,
 )
 from moelab.config.plan import Stage, check_sources, stage_config
-from moelab.data.loader import Loader, StagedLoader, read_meta
+from moelab.data.loader import Loader, StagedLoader, read_meta, source_weights
+from moelab.data.passes import passes_lines, plan_passes
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.model import Transformer
 from moelab.model.dispatch import check_dispatch
@@ -38,7 +39,7 @@ from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
 from moelab.train import identity
-from moelab.train.bpb import domain_metrics, tokenizer_bytes
+from moelab.train.bpb import LOSS_PREFIX, domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.health import DEAD_METRIC, ExpertHealth
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
@@ -57,7 +58,12 @@ from moelab.train.rundir import (
     save_config,
 )
 from moelab.train.runlog import RunLog, check_snapshot
-from moelab.train.spikes import SpikeDetector, diverging, plausible_loss_bound
+from moelab.train.spikes import (
+    OverfitDetector,
+    SpikeDetector,
+    diverging,
+    plausible_loss_bound,
+)
 from moelab.train.step import make_eval_step, make_train_step
 
 FAULT_ENV = "MOELAB_FAULT_AT_STEP"  # test hook: SIGKILL this process when reaching that step
@@ -80,6 +86,9 @@ def prepared_data(cfg: Config) -> Path:
                               "rerun the same command to resume it") from None
         print(f"corpus ready: {path}, content sha256 "
               f"{read_meta(path).get('content_sha256', 'unknown')}", flush=True)
+    from moelab.data.prepare import check_preset_prepared
+
+    check_preset_prepared(cfg.data.path)
     here = Path(cfg.data.path)
     if not (path / "meta.json").exists() and (here / "meta.json").exists() and here != path:
         raise ConfigError(f"data.path: {cfg.data.path!r} means {path} (relative paths live "
@@ -139,6 +148,8 @@ class Trainer:
         if self.plan.staged:
             check_sources(self.plan, self.loader.sources)
             self.loader = StagedLoader(data_dir, self.plan.stages, d.seed)
+        for line in passes_lines(plan_passes(self.loader.meta, self.plan, d.max_epochs or None)):
+            print(f"train tokens, {line}")
         # val keeps the run's seq_len and batch in every stage: one yardstick for the curve
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
@@ -166,6 +177,7 @@ class Trainer:
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
+        self.overfit = OverfitDetector()
         self.health = ExpertHealth(t.dead_expert_window)
         permanent = self.plan.starts() if t.keep_stage_checkpoints else []
         self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, permanent=permanent)
@@ -213,6 +225,8 @@ class Trainer:
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
             self.detectors[name].load_state_dict(state)
+        if "overfit" in meta:  # a checkpoint of an older moelab starts it afresh
+            self.overfit.load_state_dict(meta["overfit"])
         if "health" in meta:  # checkpoints from before balance health have none
             self.health.load_state_dict(meta["health"])
         self.log.rewind_to(step)
@@ -321,6 +335,7 @@ class Trainer:
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
                  "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
+                 "overfit": self.overfit.state_dict(),
                  "health": self.health.state_dict(),
                  identity.IDENTITY_KEY: {"run_id": identity.ensure_run_id(self.run_dir),
                                          **self.corpus}}
@@ -464,9 +479,11 @@ class Trainer:
         record = self._record(parts, self.lr(step - 1), tokens_per_s, stage)
         self._check_finite(step, record)
         self._flag_spikes(step, record)
+        self.overfit.step(record["ce"])
         self._check_health(step, parts, record)
         if evaluate:
             record.update(self.evaluate())
+            self._flag_overfit(step, record, stage)
         self.log.step(step, record)
         return record
 
@@ -504,6 +521,26 @@ class Trainer:
             if flag:
                 self.log.event(step, flag, f"{name} = {record[name]:.4g} flagged as {flag}")
                 record[f"{flag}/{name}"] = 1.0
+
+    def _flag_overfit(self, step: int, record: dict, stage: Stage) -> None:
+        """The train-validation gap (the validation loss weighted as the stage draws its
+        sources, minus the mean training CE since the last evaluation) and an `overfit`
+        event for each source whose validation loss rose over the last evaluations while
+        the training loss fell (spikes.OverfitDetector)."""
+        val = {k.removeprefix(LOSS_PREFIX): v for k, v in record.items()
+               if k.startswith(LOSS_PREFIX)}
+        train, sources = self.overfit.evaluate(val)
+        if train is None:
+            return
+        weights = source_weights(self.loader.meta, stage.mixture)
+        record["train_val_gap"] = sum(w * val[s] for s, w in weights.items() if s in val) - train
+        for source in sources:
+            first, k = self.overfit.history[0], self.overfit.evals  # the span's start
+            message = (f"{LOSS_PREFIX}{source} rose at each of the last {k} evaluations "
+                       f"({first[1][source]:.4g} -> {val[source]:.4g}) while the training "
+                       f"loss fell ({first[0]:.4g} -> {train:.4g}): overfitting")
+            self.log.event(step, "overfit", message)
+            record[f"overfit/{source}"] = 1.0
 
     def _check_health(self, step: int, parts: dict, record: dict) -> None:
         """Dead experts per MoE layer (train/health.py), and an event when one dies or
