@@ -15,6 +15,7 @@ from moelab.errors import UserError
 from moelab.export.generate import generate, nucleus_mask, sample_token
 from moelab.export.hf import check_exportable, export_hf
 from moelab.model import Transformer
+from moelab.outputs import MARKER
 
 # GQA (4 query heads on 2 kv heads), head_dim != d_model / n_heads, QK-norm, one dense
 # first layer of its own width, then two MoE layers; vocab fits a byte-level tokenizer.
@@ -91,7 +92,7 @@ def test_export_refuses_a_mismatched_config_a_small_vocab_and_a_full_directory(t
         export_hf(model, cfg, tmp_path / "full")
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     assert sorted(p.name for p in export_hf(model, cfg, tmp_path / "ok").iterdir()) == [
-        "config.json", "model.safetensors"]
+        MARKER, "config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "ok"]  # no temp left
 
 

@@ -150,14 +150,18 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from moelab.data.prepare import SOURCE_PRESETS, prepare
+    from moelab import outputs
+    from moelab.data.loader import META_FILE
+    from moelab.data.prepare import SOURCE_PRESETS, WORK_DIR, prepare
+    from moelab.data.provenance import MANIFEST_DIR
 
     if args.preset:
         args = apply_preset(args)
     if args.out is None:
         raise UserError("--out: give the dataset directory to write (or a --preset)")
-    if Path(args.out).exists() and not Path(args.out).is_dir():  # before hours of ingest
-        raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
+    out = Path(args.out)  # checked before hours of ingest; a dataset of its own resumes
+    outputs.check_dir(out, ours=any((out / name).exists()
+                                    for name in (META_FILE, WORK_DIR, MANIFEST_DIR)))
     sources = parse_sources(args.source)
     if args.sources and sources:
         raise UserError("give --sources PRESET or --source NAME=GLOB, not both")

@@ -62,23 +62,52 @@ PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this ...
 CACHE_BUCKET = 64  # ... and caches rounded up to one of this, so few shapes get compiled
 
 
-def check_length_fits(cfg: Config, n_tokens: int) -> None:
-    """Refuse, before allocating, a generation whose KV cache cannot fit beside the model in
-    one device's memory (a cache of n_layers x 2 x n_tokens x n_kv_heads x head_dim f32
-    values): otherwise a large --max-new-tokens ends in an out-of-memory traceback."""
-    from moelab.train.memory import BYTES, available_bytes
+def generation_bytes(cfg: Config, n_tokens: int, prompt: int = 0) -> int:
+    """Device memory of a generation of n_tokens in all, `prompt` of them the prompt: the
+    model, its KV cache (n_layers x 2 x length x n_kv_heads x head_dim f32 values) and the
+    prompt pass, one layer's at a time: its attention scores and probabilities (n_heads x
+    prompt x cache length each) and its expert activations."""
+    from moelab.train.memory import BYTES
     from moelab.train.metrics import total_params
 
     m = cfg.model
-    cache = 2 * m.n_layers * _round_up(n_tokens, CACHE_BUCKET) * m.n_kv_heads * \
-        m.resolved_head_dim * BYTES
-    need, have = cache + BYTES * total_params(cfg), available_bytes()
-    if need > have:
-        most = (have - BYTES * total_params(cfg)) // (2 * m.n_layers * m.n_kv_heads
-                                                      * m.resolved_head_dim * BYTES)
-        raise ConfigError(f"generating {n_tokens} tokens needs {need / 2**30:.1f} GiB for the "
-                          f"model and its KV cache, the device has {have / 2**30:.1f} GiB; "
-                          f"ask for at most about {max(most, 0)} tokens")
+    rows = _round_up(prompt, PROMPT_BUCKET) if prompt else 0
+    length = _round_up(max(rows, n_tokens), CACHE_BUCKET)
+    cache = 2 * m.n_layers * length * m.n_kv_heads * m.resolved_head_dim
+    prompt_pass = rows * (2 * m.n_heads * length + 3 * cfg.moe.top_k * m.d_ff + 4 * m.d_model)
+    return BYTES * (total_params(cfg) + cache + prompt_pass)
+
+
+def check_length_fits(cfg: Config, n_tokens: int, prompt: int = 1) -> None:
+    """Refuse, before allocating, a generation of n_tokens (`prompt` of them the prompt)
+    that cannot fit in one device's memory (`generation_bytes`): otherwise a long prompt or
+    a large --max-new-tokens ends in an out-of-memory traceback. Names the most it can take."""
+    from moelab.train.memory import available_bytes
+
+    need, have = generation_bytes(cfg, n_tokens, prompt), available_bytes()
+    if need <= have:
+        return
+    new = n_tokens - prompt
+
+    def largest(fits) -> int:  # the largest n with fits(n), fits monotone decreasing
+        low, high = 0, 1
+        while fits(high) and high < 2**62:
+            high *= 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
+
+    what = (f"generating {new} tokens after a {prompt}-token prompt needs {need / 2**30:.1f} "
+            "GiB for the model, its KV cache and the prompt pass's attention")
+    if generation_bytes(cfg, prompt + 1, prompt) > have:  # the prompt alone is too long
+        hint = ("the largest prompt it can take is about "
+                f"{largest(lambda p: generation_bytes(cfg, p + 1, p) <= have)} tokens")
+    else:
+        hint = ("ask for at most about "
+                f"{largest(lambda n: generation_bytes(cfg, prompt + n, prompt) <= have)} new "
+                "tokens after this prompt")
+    raise ConfigError(f"{what}, the device has {have / 2**30:.1f} GiB; {hint}")
 
 
 def _round_up(n: int, multiple: int) -> int:

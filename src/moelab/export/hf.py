@@ -41,6 +41,7 @@ import numpy as np
 
 from moelab.config import Config, ConfigError, ModelConfig
 from moelab.errors import UserError
+from moelab.schema import brief
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -259,27 +260,97 @@ def _tokenizer_files(tokenizer: Tokenizer, cfg: Config) -> tuple[dict[str, str],
     return files, eos_id
 
 
+def check_out(out_dir: Path, force: bool) -> bool:
+    """Refuse an --out that export must not write (outputs.check_dir); True when it holds an
+    earlier export of moelab's that `force` replaces."""
+    from moelab import outputs
+
+    replace = outputs.check_dir(out_dir, force)
+    if replace and not force:
+        raise UserError(f"--out {out_dir} holds an earlier export; pass --force to replace it, "
+                        "or choose another --out")
+    return replace
+
+
+def check_export(export_dir: Path) -> tuple[dict[str, Any], list[str]]:
+    """(the identity it recorded, the files changed since) of an export `export_hf` wrote;
+    a file it wrote that is gone is refused. ({}, []) for an export moelab did not write,
+    which only loading it can check."""
+    from moelab import outputs
+
+    if not export_dir.is_dir():
+        raise UserError(f"--export {export_dir} is not a directory; pass a `moelab export` "
+                        "output directory")
+    record = outputs.marker(export_dir)
+    files = record.get("files")
+    if not isinstance(files, dict):
+        return {}, []
+    missing = [str(name) for name in files if not (export_dir / str(name)).is_file()]
+    if missing:
+        raise UserError(f"{export_dir} lacks {', '.join(missing)}, which moelab export wrote "
+                        "there; export again")
+    changed = [str(name) for name, sha in files.items()
+               if outputs.file_sha256(export_dir / str(name)) != sha]
+    identity = record.get("identity")
+    return (identity if isinstance(identity, dict) else {}), changed
+
+
+def check_export_config(export_dir: Path, cfg: Config) -> None:
+    """The export's config.json is JSON and describes this run's model (`hf_config`): an
+    edited expert count or width would otherwise load with random weights, or not at all;
+    its weights file opens (a truncated one fails its header's length check)."""
+    path = export_dir / "config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} is not a readable JSON config ({type(err).__name__}); "
+                        "export again") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{path} is not a JSON object; export again")
+    ours = hf_config(cfg)
+    differs = [f"{k} {brief(saved.get(k), 20)} (the run's model: {brief(v, 20)})"
+               for k, v in ours.items() if k != "eos_token_id" and saved.get(k) != v]
+    if differs:
+        raise UserError(f"{path} does not describe this run's model: {'; '.join(differs[:3])}"
+                        "; export this run again")
+    weights = export_dir / WEIGHTS_FILE
+    if weights.exists():  # its header and length, without reading the tensors
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(weights), "np"):
+                pass
+        except Exception as err:  # noqa: BLE001 - the library's own error types
+            raise UserError(f"{weights} is not a readable safetensors file ({type(err).__name__}:"
+                            f" {str(err)[:100]}): truncated or damaged; export again") from None
+
+
 def export_hf(
     model: Transformer,
     cfg: Config,
     out_dir: str | Path,
     tokenizer: Tokenizer | None = None,
+    force: bool = False,
+    identity: dict[str, Any] | None = None,
 ) -> Path:
     """Write `model` (trained with `cfg`) to out_dir as a Qwen3-MoE or Glm4Moe checkpoint.
 
-    out_dir must not exist or be empty. Everything is written to a temporary sibling that
-    is renamed into place last, so a failed export never leaves a partial directory.
+    out_dir must not exist or be empty, or (with `force`) be an earlier export that moelab
+    made (it carries `outputs.MARKER`). Everything is written to a temporary sibling that is
+    renamed into place last, so a failed export never leaves a partial directory. The
+    marker records each file's sha256 and the checkpoint's `identity` (run, corpus and
+    tokenizer), which `check_export` checks.
     """
+    from moelab import outputs
+
     check_exportable(cfg)
     _check_model_matches(model, cfg)
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(f"{out_dir} already exists and is not empty; remove it or choose "
-                        "another --out")
+    replace = check_out(out_dir, force)
     try:
         from safetensors.numpy import save_file
     except ImportError as err:
-        raise UserError("export needs safetensors: pip install 'moelab[export]'") from err
+        raise UserError("export needs safetensors: pip install -e '.[export]'") from err
 
     files, eos_id = _tokenizer_files(tokenizer, cfg) if tokenizer is not None else ({}, None)
     files["config.json"] = json.dumps(hf_config(cfg, eos_id), indent=2)
@@ -287,15 +358,26 @@ def export_hf(
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    old = None
     try:
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         for name, text in files.items():
             (tmp / name).write_text(text + "\n")
+        outputs.mark(tmp, "export", identity=identity or {}, files={
+            p.name: outputs.file_sha256(p) for p in sorted(tmp.iterdir())})
         # safetensors creates its file owner-only; give it the mode (umask) of the others
         shutil.copymode(tmp / "config.json", tmp / WEIGHTS_FILE)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only
+        if replace:  # an earlier export of moelab's: moved aside, removed once replaced
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
         os.replace(tmp, out_dir)  # atomic; replaces an empty out_dir
     except BaseException:
+        if old is not None and not out_dir.exists():
+            os.replace(old / out_dir.name, out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     return out_dir

@@ -390,7 +390,7 @@ def static_asset(name: str) -> bytes:
                  if f.name.upper().startswith("LICENSE")), "plotly.js is MIT-licensed.")
             return license_text.encode()
     except (ModuleNotFoundError, metadata.PackageNotFoundError) as err:
-        raise UserError("interactive charts need plotly: pip install 'moelab[lab]'") from err
+        raise UserError("interactive charts need plotly: pip install -e '.[lab]'") from err
     raise UserError(f"no static file {name!r}")
 
 

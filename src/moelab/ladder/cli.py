@@ -118,10 +118,15 @@ def _print_passes(spec) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
+    from moelab import outputs
+    from moelab.ladder.preflight import check_ladder_run
     from moelab.ladder.runner import run_ladder
 
     options = ray_options(args)
-    run_ladder(_spec(args), args.experiment, args.ray, cpus=args.cpus_per_run, **options)
+    spec = _spec(args)
+    check_ladder_run(spec, args.experiment)  # before the first rung trains
+    outputs.mark(spec.out, "ladder run")
+    run_ladder(spec, args.experiment, args.ray, cpus=args.cpus_per_run, **options)
 
 
 def _fit(args: argparse.Namespace) -> None:

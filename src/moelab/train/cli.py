@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from moelab.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError
-from moelab.schema import brief, float_in, int_in, parse_yaml
+from moelab.schema import add_run_dir, brief, float_in, int_in, parse_yaml
 from moelab.train.supervisor import MAX_WAIT_S
 
 PRESETS = ("tiny", "small")
@@ -21,10 +21,11 @@ MAX_RESTARTS = 1000  # more than any real run needs; keeps 2**n backoff arithmet
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train an MoE model (resumes if the run exists)")
-    p.add_argument("--config", default="tiny",
-                   help=f"a YAML file, or a built-in preset: {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<config>, "
-                   "plus the --set overrides when there are any)")
+    p.add_argument("--config", default=None,
+                   help=f"a YAML file, or a built-in preset: {', '.join(PRESETS)} (default: "
+                   "an existing RUN_DIR's own config.yaml, else tiny)")
+    add_run_dir(p, required=False, help="where checkpoints and metrics go (default "
+                "runs/<config>, plus the --set overrides when there are any)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.steps=100 (YAML value)")
     p.add_argument("--allow-config-change", action="store_true",
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds before the first restart; doubles each time (up to "
                         f"{MAX_WAIT_S:.0f} s)")
     p.add_argument("--restart-from-scratch", action="store_true",
-                   help="move an earlier run's files in --run-dir to history-*/ and train "
+                   help="move an earlier run's files in RUN_DIR to history-*/ and train "
                         "from step 0 (needed when its checkpoints are gone)")
     p.add_argument("--experiment", help="attach this run to a lab experiment id")
     p.add_argument("--from", dest="parent", metavar="RUN_DIR[@STEP]",
@@ -118,12 +119,21 @@ def parse_parent(value: str | None, weights_only: bool):
 
 
 def run(args: argparse.Namespace) -> int:
+    from moelab import outputs
     from moelab.config import load_config
+    from moelab.train.rundir import current_config_path
 
+    if args.config is None:  # an existing run resumes with its own config, not a preset
+        own = current_config_path(Path(args.run_dir)) if args.run_dir else None
+        args.config = str(own) if own is not None and own.is_file() else "tiny"
     cfg = load_config(config_path(args.config), parse_overrides(args.set))
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, args.set)
     if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--run-dir {run_dir} is a file, not a directory; pass a directory")
+        raise UserError(f"RUN_DIR {run_dir} is a file, not a directory; pass a directory")
+    if run_dir.is_dir() and not outputs.writable(run_dir):
+        raise UserError(f"RUN_DIR {run_dir} is not writable; choose another directory")
+    if not run_dir.exists():
+        outputs.check_dir(run_dir, flag="RUN_DIR")
     parent = parse_parent(args.parent, args.weights_only)
     if args.restart_from_scratch:  # here, not in the workers: a restart must not archive
         from moelab.train.rundir import RunDirLock, archive_history
@@ -161,7 +171,7 @@ def next_commands(run_dir: Path, experiment: str | None) -> str:
     from moelab.train.rundir import current_config_path
 
     r, q = shlex.quote(str(run_dir)), shlex.quote  # commands to paste into a shell
-    lines = [(f"moelab generate --run-dir {r} --prompt 'def '", "sample from the model")]
+    lines = [(f"moelab generate {r} --prompt 'def '", "sample from the model")]
     if experiment:
         lines += [(f"moelab lab show {experiment}", "the experiment, this run included"),
                   (f"moelab lab finish {experiment} --status succeeded --outcome '...'",
@@ -171,7 +181,7 @@ def next_commands(run_dir: Path, experiment: str | None) -> str:
                    f"{q(str(current_config_path(run_dir)))}", "plan an experiment (prints its id)"),
                   (f"moelab lab attach {r} --experiment ID", "record this run in it")]
     lines += [("moelab lab publish runs/site", "the lab as a static site (lab extra)"),
-              (f"moelab export --run-dir {r} --out {q('runs/hf/' + run_dir.name)}",
+              (f"moelab export {r} --out {q('runs/hf/' + run_dir.name)}",
                "a transformers model (export extra)")]
     width = max(len(command) for command, _ in lines)
     return "next:\n" + "\n".join(f"  {command:<{width}}  # {why}" for command, why in lines)
@@ -179,7 +189,7 @@ def next_commands(run_dir: Path, experiment: str | None) -> str:
 
 def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
     """The same training command, without supervision, for the supervisor to run."""
-    argv = ["train", "--config", args.config, "--run-dir", str(run_dir)]
+    argv = ["train", str(run_dir), "--config", args.config]
     for item in args.set:
         argv += ["--set", item]
     if args.allow_config_change:
@@ -190,13 +200,15 @@ def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
 
 
 def run_upcycle(args: argparse.Namespace) -> int:
+    from moelab import outputs
     from moelab.train.upcycle import upcycle_run
 
+    outputs.check_dir(args.out)  # a file, under a file, unwritable, someone else's: refused
     config = upcycle_run(args.dense_run, args.out, args.experts, args.top_k, args.step,
                          args.noise, args.seed, parse_overrides(args.set))
     print(f"upcycled {args.dense_run} into {args.out} ({args.experts} experts, top-"
-          f"{args.top_k}); train it with:\n  moelab train --config "
-          f"{shlex.quote(str(config))} --run-dir {shlex.quote(str(args.out))}")
+          f"{args.top_k}); train it with:\n  moelab train {shlex.quote(str(args.out))} "
+          f"--config {shlex.quote(str(config))}")
     return EXIT_OK
 
 

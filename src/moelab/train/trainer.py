@@ -39,6 +39,7 @@ from moelab.model.losses import MTP_LOSS_PREFIX
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
+from moelab.train import identity
 from moelab.train.bpb import LOSS_PREFIX, domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.health import DEAD_METRIC, ExpertHealth
@@ -137,6 +138,7 @@ class Trainer:
         # Before anything is written: a refused config leaves the run dir as it was.
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
+        self.data_dir, self.corpus = data_dir, identity.corpus_identity(data_dir)
         d = cfg.data
         self.plan = cfg.plan
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
@@ -212,12 +214,13 @@ class Trainer:
             return 0
         if self.parent is not None and not (self.run_dir / LINEAGE_FILE).exists():
             raise UserError(f"--from: {self.run_dir} already holds a run of its own; a branch "
-                            "starts in a new --run-dir")
+                            "starts in a new RUN_DIR")
         self.model, self.opt_state, meta, step = found
         # Its own config stands in for a deleted config.yaml, and must be this run's.
         self.config_changes = check_checkpoint_config(
             self.run_dir, self.cfg, self.allow_config_change, step, meta["config"]
         ) or self.config_changes
+        identity.check(meta, self.run_dir, self.data_dir, step)  # the same config, this run?
         self._check_plan_change(meta["config"], step)
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
@@ -236,7 +239,7 @@ class Trainer:
         weights_only its optimizer state) at its step, so this run's curve forks there."""
         src = Path(parent.run_dir).absolute()
         if src == self.run_dir.absolute():
-            raise UserError(f"--from {parent.run_dir}: that is this run's own --run-dir")
+            raise UserError(f"--from {parent.run_dir}: that is this run's own RUN_DIR")
         if not (src / CHECKPOINT_DIR).is_dir():
             raise UserError(f"--from {parent.run_dir}: no checkpoints there; pass the run dir "
                             "of a training run")
@@ -280,7 +283,7 @@ class Trainer:
             raise ConfigError(f"stages: the plan changes {', '.join(changed)}, which has "
                               f"already trained (resuming at step {step}); only stages that "
                               "start later may change: branch instead with `moelab train "
-                              f"--from {self.run_dir}@STEP` into a new --run-dir")
+                              f"--from {self.run_dir}@STEP` into a new RUN_DIR")
 
     def _start_without_checkpoint(self) -> None:
         """Start at step 0, unless the run directory shows that a checkpoint existed:
@@ -305,7 +308,7 @@ class Trainer:
                 f"({'; '.join(evidence)}) but no usable checkpoint in checkpoints/; training "
                 "again from step 0 would repeat its steps in the same record. Rerun with "
                 "--restart-from-scratch to archive the old files (to history-*/) and start "
-                "over, or pass a new --run-dir")
+                "over, or pass a new RUN_DIR")
         if metrics:
             self.log.rewind_to(0)
             self.log.event(0, "fresh_start", f"no checkpoint was saved before (the first is "
@@ -333,7 +336,9 @@ class Trainer:
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
                  "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
                  "overfit": self.overfit.state_dict(),
-                 "health": self.health.state_dict()}
+                 "health": self.health.state_dict(),
+                 identity.IDENTITY_KEY: {"run_id": identity.ensure_run_id(self.run_dir),
+                                         **self.corpus}}
         try:
             self.ckpt.save(self.step, self.model, self.opt_state, state)
         except DivergenceError as err:

@@ -6,8 +6,8 @@ model.d_ff the dense FFN's width (each expert a full copy, so a token's FFN comp
 top_k times the dense one's), moe.n_experts / moe.top_k as given, then any --set. It
 starts at step 0 with a fresh optimizer state and its own LR schedule (the shapes are
 new); lineage.json names the dense run and step, as a `--from` branch's does, and an
-`upcycle` event says the same. `moelab train --config RUN_DIR/config.yaml --run-dir
-RUN_DIR` then trains it as any run that resumes from its checkpoint.
+`upcycle` event says the same. `moelab train RUN_DIR` (its own config.yaml) then trains
+it as any run that resumes from its checkpoint.
 """
 
 from __future__ import annotations
