@@ -19,13 +19,19 @@ from moelab.model.moe import MoEStats
 
 
 def cross_entropy_terms(
-    logits: Float[Array, "B S V"], targets: Int[Array, "B S"]
+    logits: Float[Array, "B S V"], targets: Int[Array, "B S"],
+    weights: Float[Array, "B S"] | None = None,
 ) -> tuple[Array, Array]:
-    """Mean next-token cross-entropy and mean squared log-normalizer (float32)."""
+    """Mean next-token cross-entropy and mean squared log-normalizer (float32), over the
+    targets whose weight is 1 when `weights` is given (a loss mask: assistant tokens)."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(lse - target_logit), jnp.mean(lse**2)
+    if weights is None:
+        return jnp.mean(lse - target_logit), jnp.mean(lse**2)
+    weights = weights.astype(jnp.float32)
+    total = jnp.maximum(weights.sum(), 1.0)  # a batch with no masked-in target: loss 0
+    return ((lse - target_logit) * weights).sum() / total, (lse**2 * weights).sum() / total
 
 
 def objective(
@@ -33,9 +39,11 @@ def objective(
     targets: Int[Array, "B S"],
     stats: MoEStats | None,
     weights: LossConfig,
+    loss_mask: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Total loss and its parts; per-layer MoE stats are kept for logging."""
-    ce, logit_z = cross_entropy_terms(logits, targets)
+    """Total loss and its parts; per-layer MoE stats are kept for logging. loss_mask [B, S]:
+    only those targets count in the cross-entropy and logit z-loss (None: all)."""
+    ce, logit_z = cross_entropy_terms(logits, targets, loss_mask)
     aux = jnp.mean(stats.aux_loss) if stats is not None else jnp.zeros(())
     seq_aux = jnp.mean(stats.seq_aux_loss) if stats is not None else jnp.zeros(())
     router_z = jnp.mean(stats.router_z) if stats is not None else jnp.zeros(())

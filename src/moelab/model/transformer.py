@@ -88,11 +88,15 @@ class Transformer(eqx.Module):
         caches: Caches | None = None,
         cache_index: Array | int = 0,
         segments: Int[Array, "B S"] | None = None,
+        positions: Int[Array, "B S"] | None = None,
     ) -> tuple[Float[Array, "B S V"], MoEStats | None, Caches | None]:
         """Logits for every position, per-MoE-layer stats stacked [L_moe], updated caches.
-        `segments` (training, no cache): attention stays within equal ids (`short_segments`)."""
+        `segments` (training, no cache): attention stays within equal ids (`short_segments`).
+        `positions`: RoPE positions (packed conversations restart at 0 in each segment);
+        None = 0.. from cache_index."""
         b, s = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
         cos, sin = rope_angles(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta,
                                self.cfg.rope)
         with jax.named_scope("embed"):

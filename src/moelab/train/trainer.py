@@ -29,7 +29,7 @@ from moelab.config import (
     config_to_dict,
     data_dir,
 )
-from moelab.data.loader import Loader, StagedLoader, read_meta
+from moelab.data.loader import ConversationLoader, Loader, StagedLoader, read_meta
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.eval.bpb import domain_metrics, tokenizer_bytes
 from moelab.model import Transformer
@@ -135,6 +135,9 @@ class Trainer:
         if self.plan.staged:
             check_sources(self.plan, self.loader.sources)
             self.loader = StagedLoader(data_dir, self.plan.stages, d.seed)
+        if d.conversations:  # the plan still sets the LR and optimizer of each stage
+            self.loader = ConversationLoader(data_dir, d.conversations, d.seq_len,
+                                             d.batch_size, d.seed)
         # val keeps the run's seq_len and batch in every stage: one yardstick for the curve
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
