@@ -83,9 +83,26 @@ def _tokenizer_or_none(data_path: Path):
         return None
 
 
+def _chat_template_or_none(data_path: Path) -> str | None:
+    """The corpus's chat template, or None when it has none (a corpus without chat tokens)."""
+    from moelab.data.chat import CHAT_TEMPLATE_FILE, chat_template_of
+
+    return chat_template_of(data_path) if (data_path / CHAT_TEMPLATE_FILE).is_file() else None
+
+
+def _export_run(model, cfg, out: Path) -> Path:
+    """export_hf with the run's tokenizer and chat template, when its corpus is there."""
+    from moelab.export.hf import export_hf
+
+    path = data_dir(cfg.data.path)
+    tokenizer = _tokenizer_or_none(path)
+    return export_hf(model, cfg, out, tokenizer,
+                     _chat_template_or_none(path) if tokenizer is not None else None)
+
+
 def _export(args: argparse.Namespace) -> None:
     from moelab.errors import UserError
-    from moelab.export.hf import check_exportable, export_hf
+    from moelab.export.hf import check_exportable
 
     if args.run_dir is None or args.out is None:
         raise UserError("export needs --run-dir DIR and --out HFDIR (or `moelab export verify "
@@ -97,7 +114,7 @@ def _export(args: argparse.Namespace) -> None:
         print(f"note: trained with moe.dispatch={cfg.moe.dispatch}; the export (like "
               "`moelab generate`) computes every expert assignment, dropping none",
               file=sys.stderr)
-    out = export_hf(model, cfg, args.out, _tokenizer_or_none(data_dir(cfg.data.path)))
+    out = _export_run(model, cfg, args.out)
     print(f"exported step {step} of {args.run_dir} to {out}")
 
 
@@ -126,7 +143,7 @@ def _verify(args: argparse.Namespace) -> int:
     from moelab.data.shards import shard_path
     from moelab.errors import EXIT_FAILED, EXIT_OK, UserError
     from moelab.eval import golden as g
-    from moelab.export.hf import check_exportable, export_hf
+    from moelab.export.hf import check_exportable
 
     if not args.bound > 0 or not args.margin_tol >= 0:
         raise UserError(f"--bound must be > 0 and --margin-tol >= 0, got {args.bound}, "
@@ -151,19 +168,23 @@ def _verify(args: argparse.Namespace) -> int:
         notes.append(f"no held-out data at {data_dir(cfg.data.path)}: the inputs are seeded "
                      "random tokens")
     inputs = g.fixed_inputs(cfg.data.seq_len, cfg.model.vocab_size, streams)
+    chat = _chat_prompt(data_dir(cfg.data.path), cfg.data.seq_len)
+    if chat is not None:  # its logits are compared like the others'
+        inputs.append(chat)
     golden = g.write_golden(model, cfg, inputs, out / g.GOLDEN_FILE)
     export_dir = args.export
     if export_dir is None:
         shutil.rmtree(out / "hf", ignore_errors=True)  # ours, from an earlier verify
-        export_dir = export_hf(model, cfg, out / "hf", _tokenizer_or_none(data_dir(cfg.data.path)))
+        export_dir = _export_run(model, cfg, out / "hf")
     elif not (export_dir / "config.json").is_file():
         raise UserError(f"--export {export_dir} has no config.json; pass a `moelab export` "
                         "output directory")
+    chat_problem = _chat_ids_differ(export_dir, chat) if chat is not None else None
     verdicts = [g.compare(golden, g.transformers_outputs(export_dir, golden), "transformers",
                           args.bound, args.margin_tol)]
     report = {"run_dir": str(args.run_dir), "step": step, "export": str(export_dir),
               "golden": str(out / g.GOLDEN_FILE), "notes": notes,
-              "passed": all(v.passed for v in verdicts),
+              "passed": all(v.passed for v in verdicts) and chat_problem is None,
               "backends": [v.to_dict() for v in verdicts]}
     (out / g.VERIFY_FILE).write_text(json.dumps(report, indent=1) + "\n")
     print(f"export verify: step {step} of {args.run_dir} vs {export_dir}")
@@ -171,6 +192,7 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"wrote {out / g.GOLDEN_FILE} and {out / g.VERIFY_FILE}")
     if not report["passed"]:
         failed = [f"{v.backend}: {'; '.join(v.problems())}" for v in verdicts if not v.passed]
+        failed += [chat_problem] if chat_problem else []
         print(f"moelab export verify: FAILED: {' | '.join(failed)}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
@@ -185,3 +207,37 @@ def _sources(data_path: str) -> list[str]:
         return list(read_meta(data_path)["sources"])
     except UserError:
         return []
+
+
+# The chat prompt `export verify` adds to its inputs when the corpus has a chat template.
+CHAT_PROBE = [{"role": "system", "content": "Answer in one short sentence."},
+              {"role": "user", "content": "What does the `ls` command do?"}]
+
+
+def _chat_prompt(data_path: Path, seq_len: int):
+    """CHAT_PROBE with the generation prompt, as moelab encodes it (int32, at most seq_len
+    tokens), or None when the corpus has no chat template."""
+    import numpy as np
+
+    from moelab.data.chat import encode_chat
+    from moelab.data.tokenizer import load_tokenizer
+
+    template = _chat_template_or_none(data_path)
+    if template is None:
+        return None
+    ids, _ = encode_chat(load_tokenizer(data_path), CHAT_PROBE, add_generation_prompt=True,
+                         template=template)
+    return np.asarray(ids[:seq_len], np.int32)
+
+
+def _chat_ids_differ(export_dir: Path, chat) -> str | None:
+    """A problem line when the export's `apply_chat_template` encodes CHAT_PROBE otherwise."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(export_dir)).apply_chat_template(
+        CHAT_PROBE, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    if list(ids[:len(chat)]) != chat.tolist():
+        return ("chat template: the export's apply_chat_template gives other token ids than "
+                "moelab's encode_chat for the chat probe")
+    return None
+
