@@ -187,7 +187,7 @@ def test_no_attention_crosses_a_conversation(chat_tokenizer):
     model, _ = tiny_model()
     first, second = (encode_chat(chat_tokenizer, m) for m in conversations(2, seed=3))
     other = encode_chat(chat_tokenizer, conversations(1, seed=4)[0])
-    rows = [pack([a, second], 127, pad_id=0) for a in (first, other)]
+    rows = [pack([a, second], 191, pad_id=0) for a in (first, other)]
     assert all(len(r) == 1 for r in rows)
 
     def logits_of_second(rows, segmented=True):
