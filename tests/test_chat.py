@@ -201,3 +201,32 @@ def test_no_attention_crosses_a_conversation(chat_tokenizer):
     np.testing.assert_allclose(logits_of_second(rows[0]), logits_of_second(rows[1]), atol=1e-5)
     assert np.abs(logits_of_second(rows[0], False) - logits_of_second(rows[1], False)
                   ).max() > 1e-3
+
+
+def test_the_conversation_loader_draws_every_row_once_an_epoch(chat_tokenizer, tmp_path):
+    """Batches are a function of the step; an epoch's batches hold each packed row once; a
+    corpus without the chat tokens is refused in one line."""
+    import json
+
+    from moelab.data.chat import CHAT_TEMPLATE_FILE
+    from moelab.data.loader import ConversationLoader
+    from moelab.data.tokenizer import train_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text(chat_tokenizer.to_str())
+    (tmp_path / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
+    (tmp_path / "meta.json").write_text(json.dumps({
+        "vocab_size": VOCAB, "eos_id": 0, "sources": ["code"], "train_tokens": {"code": 0},
+        "val_tokens": {"code": 0}}))
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations(24)))
+    loader = ConversationLoader(tmp_path, path, seq_len=127, batch_size=2, seed=3)
+    rows = len(loader.rows)
+    drawn = np.concatenate([loader.plan(step) for step in range(rows)])  # two epochs
+    assert sorted(drawn[:rows]) == sorted(drawn[rows:]) == list(range(rows))
+    again = ConversationLoader(tmp_path, path, seq_len=127, batch_size=2, seed=3)
+    for key, value in loader.batch(5).items():
+        np.testing.assert_array_equal(value, again.batch(5)[key])
+    texts = [open(f"{STDLIB}/json/{name}.py").read() for name in ("encoder", "decoder")]
+    (tmp_path / "tokenizer.json").write_text(train_tokenizer(texts, VOCAB).to_str())
+    with pytest.raises(UserError, match="lacks the chat token"):
+        ConversationLoader(tmp_path, path, seq_len=127, batch_size=2)

@@ -391,13 +391,20 @@ class ConversationLoader(Batches):
 
     def __init__(self, data_dir: str | Path, path: str | Path, seq_len: int, batch_size: int,
                  seed: int = 0) -> None:
-        from moelab.data.chat import chat_template_of, encode_all, pack, read_conversations
+        from moelab.data.chat import (
+            chat_template_of,
+            encode_all,
+            pack,
+            read_conversations,
+            require_chat_tokens,
+        )
         from moelab.data.tokenizer import load_tokenizer
 
         self.meta = read_meta(data_dir)
         self.sources: list[str] = list(self.meta["sources"])  # the corpus's, for its val
         self.path, self.seq_len, self.batch_size, self.seed = str(path), seq_len, batch_size, seed
         tokenizer = load_tokenizer(data_dir)
+        require_chat_tokens(tokenizer, data_dir)
         template = chat_template_of(data_dir)
         self.conversations = read_conversations(path)
         self.rows = pack(encode_all(tokenizer, self.conversations, seq_len, template), seq_len,
