@@ -17,7 +17,7 @@ checkpointed scan (model/attention.py), so the backward pass keeps q, k, v and r
 one sub-chunk's probabilities at a time instead of keeping the S^2/2 triangle: the table
 states that triangle's size beside the measurement, to show it is not what grows.
 
-Writes bench/results/attention_memory.json.
+Writes bench/results/benchmarks/attention_memory.json.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ print(json.dumps({"seq_len": s, "floor_mib": floor, "hwm_with_compile_mib": with
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/attention_memory.json")
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "bench/results/benchmarks/attention_memory.json")
     args = parser.parse_args()
     preset = ROOT / "src/moelab/presets/tiny.yaml"
     rows = []

@@ -20,7 +20,7 @@ best fixed bias (balancing all held-out batches together), under a bias solved f
 batch alone (an oracle), and with batches re-drawn from the held-out sequences at random
 or with each source in its mean proportion; plus iid tokens at perfect balance (sampling
 alone). Layer 1's floors hold layer 0's routing as trained. Writes
-bench/results/balance_tiny.json.
+bench/results/balance_tiny/balance_tiny.json.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from moelab.train.checkpoint import load_latest
 from moelab.train.cli import config_path
 from moelab.train.trainer import train
 
-RESULTS = Path(__file__).parent / "results" / "balance_tiny.json"
+RESULTS = Path(__file__).parent / "results" / "balance_tiny" / "balance_tiny.json"
 BIAS = {"moe.router": "sigmoid", "loss.aux_weight": 0.0}
 SIGN = {**BIAS, "moe.balance": "bias_sign", "moe.bias_rate": 0.01}
 QB = {**BIAS, "moe.balance": "bias_quantile"}

@@ -3,14 +3,14 @@ it needs, and see whether it lands on the variant's loss.
 
     python bench/compare_validate.py NAME [--seeds 1 2]
 
-reads bench/results/NAME.json (written by bench/ladder_compare.py: base vs one variant),
+reads bench/results/NAME/NAME.json (written by bench/ladder_compare.py: base vs one variant),
 takes the theoretical multiplier M at the variant's largest point (compute C, measured
 loss L_v), and trains the base recipe's widest trunk rung again with its steps scaled so
 that it spends M * C model FLOPs (same width, batch, schedule shape and seeds as the
 rungs; only the steps change). The multiplier is honest when that run's loss lands on L_v
 within the seed noise; the run at 1x (the base's own rung) shows the gap it had to close.
 Nothing here is fitted to the outcome: M, C and the rung are fixed by the comparison.
-Writes bench/results/NAME_validation.json.
+Writes bench/results/NAME/NAME_validation.json.
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ RESULTS = Path(__file__).parent / "results"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", help="a comparison under bench/results/ (NAME.json)")
+    parser.add_argument("name", help="a comparison under bench/results/ (NAME/NAME.json)")
     parser.add_argument("--seeds", type=int, nargs="+", help="default: the base spec's seeds")
     args = parser.parse_args(argv)
-    record = json.loads((RESULTS / f"{args.name}.json").read_text())
+    folder = RESULTS / args.name
+    record = json.loads((folder / f"{args.name}.json").read_text())
     cmp = record["compare"]
     base_path, variant_path = record["specs"][:2]
     base, variant = load_spec(base_path), load_spec(variant_path)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = float(np.hypot(seed_sd / np.sqrt(len(losses)), point["sd"]))
     out = {
         "command": "python bench/compare_validate.py " + " ".join(sys.argv[1:]),
-        "comparison": f"bench/results/{args.name}.json", "cpu": cpu_model(),
+        "comparison": f"bench/results/{args.name}/{args.name}.json", "cpu": cpu_model(),
         "variant": variant.name, "base": base.name,
         "variant_point": {"compute": c_v, "loss": point["loss"], "sd": point["sd"]},
         "multiplier": {"value": m, "interval": [m_lo, m_hi]},
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                        "gap_at_1x_nats": float(np.mean(own)) - point["loss"]},
         "wall_s": time.time() - started,
     }
-    (RESULTS / f"{args.name}_validation.json").write_text(json.dumps(out, indent=1) + "\n")
+    (folder / f"{args.name}_validation.json").write_text(json.dumps(out, indent=1) + "\n")
     # and in the comparison's own file: what the multiplier predicted against what came out
     record["validation"] = {
         "predicted": point["loss"], "measured": mean,
@@ -104,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         "within_2_sd": out["difference"]["within_2_sd"],
         "what": f"{base.name} trained at {m:.3f}x the compute of {variant.name}'s point at "
                 f"C={c_v:.3g} is predicted to reach that point's loss",
-        "detail": f"bench/results/{args.name}_validation.json"}
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
+        "detail": f"bench/results/{args.name}/{args.name}_validation.json"}
+    (folder / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
     d = out["difference"]
     print(f"[validate] {base.name} at {m:.2f}x: loss {mean:.4f} vs {variant.name} "
           f"{point['loss']:.4f}: {d['nats']:+.4f} nats ({100 * d['relative']:+.2f}%), noise sd "
           f"{noise:.4f}; at 1x the gap was {d['gap_at_1x_nats']:+.4f} nats", flush=True)
-    print(f"wrote {RESULTS / args.name}_validation.json")
+    print(f"wrote {folder / args.name}_validation.json")
     return 0
 
 

@@ -1,5 +1,5 @@
 """Curation at scale: prepare `--sources installed` (whole, or capped in documents per
-source), curate it with both embedders; figures -> bench/results/curation.json.
+source), curate it with both embedders; figures -> bench/results/curation/curation.json.
 
 Peak RSS is sampled (bench/rss.py: every 0.2 s, the RSS of this process plus its children
 summed, and the largest single process), not read from /usr/bin/time: the executor resets
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rss import Sampler  # bench/rss.py
 
-RESULTS = Path(__file__).parent / "results" / "curation.json"
+RESULTS = Path(__file__).parent / "results" / "curation" / "curation.json"
 
 
 def measured(name: str, results: dict, fn, *args, **kwargs):

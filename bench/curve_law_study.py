@@ -10,7 +10,7 @@ predict the later ones (the extrapolation along lr-weighted tokens that a longer
 asks for); `corner` predicts the widest rung's second half from every other point. The
 form with the lowest mean of the three medians is the default. The stored 8x targets'
 errors are listed beside, for the record only: they were not used to choose.
-Results: bench/results/curve_law_study.json.
+Results: bench/results/curve_law_study/curve_law_study.json.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from moelab.ladder.curve import schedule_areas
 from moelab.ladder.fit import CURVE_FORMS, FitError, fit_curve
 
 RESULTS = Path(__file__).parent / "results"
-LADDERS = {"v4_idle": "ladder_default_v4_idle", "v5_default": "ladder_default",
-           "v5_blind": "ladder_blind"}
+LADDERS = {"v4_idle": "ladder_default/v4-idle", "v5_default": "ladder_default/v5",
+           "v5_blind": "ladder_blind/v1"}  # version folders under bench/results
 
 
 def points(record: dict) -> np.ndarray:
@@ -83,8 +83,8 @@ def main() -> None:
     study: dict = {"ladders": {}, "note": __doc__.split("\n\n")[2].replace("\n", " ")}
     seen: dict[str, str] = {}
     for name, stem in LADDERS.items():
-        record = json.loads((RESULTS / f"{stem}_preregistration.json").read_text())
-        report = json.loads((RESULTS / f"{stem}.json").read_text())
+        record = json.loads((RESULTS / stem / "preregistration.json").read_text())
+        report = json.loads((RESULTS / stem / "report.json").read_text())
         rows = points(record)
         key = json.dumps(rows.round(6).tolist())
         entry: dict = {"points": len(rows), "target": record["target"]["name"],
@@ -102,7 +102,8 @@ def main() -> None:
                                   if "median_abs_rel_error" in b])) for form in CURVE_FORMS}
     study["mean_backtest_median_abs_rel_error"] = score
     study["chosen"] = min(score, key=score.get)
-    (RESULTS / "curve_law_study.json").write_text(json.dumps(study, indent=1) + "\n")
+    out = RESULTS / "curve_law_study" / "curve_law_study.json"
+    out.write_text(json.dumps(study, indent=1) + "\n")
     for name, entry in study["ladders"].items():
         for form, v in entry["forms"].items():
             tests = v["backtests"]

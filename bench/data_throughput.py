@@ -14,7 +14,7 @@ sample is capped below the 1x text (--tokenizer-chars) so every scale trains on 
 amount: that cap is what bounds the tokenizer's memory. Then, on the 1x input: the Ray
 executor (a local runtime, num_cpus = workers) against the local one; on the largest
 input, datatrove's MinHash pipeline against moelab's near-dup stages with the same n-grams
-and bands, single process each. Writes bench/results/data_throughput.json.
+and bands, single process each. Writes bench/results/benchmarks/data_throughput.json.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 from machine import cpu_model, settle  # bench/machine.py
 from rss import Sampler, run_sampled  # bench/rss.py
 
-RESULTS = Path(__file__).parent / "results" / "data_throughput.json"
+RESULTS = Path(__file__).parent / "results" / "benchmarks" / "data_throughput.json"
 DEDUP_PHASES = ("exact", "merge_exact", "band", "pair", "cluster", "decide")
 
 CHILD = """

@@ -3,7 +3,7 @@
     python bench/ladder_compare.py NAME BASE.yaml VARIANT.yaml [MORE.yaml ...]
 
 trains the specs' missing rungs (finished ones are read, never retrained), compares them,
-and writes bench/results/NAME.json (the comparison, the specs, every run's wall and CPU
+and writes bench/results/NAME/NAME.json (the comparison, the specs, every run's wall and CPU
 seconds, the code commit and the CPU model), NAME.md and NAME.png. The realized
 (wall-clock) multiplier comes from the rungs' logged throughput, so train them on a quiet
 machine; the load before and after is recorded beside it.
@@ -47,7 +47,7 @@ def outcome(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", help="result file stem under bench/results/")
+    parser.add_argument("name", help="result name: writes bench/results/NAME/NAME.{json,md,png}")
     parser.add_argument("specs", nargs="+", help="BASE.yaml VARIANT.yaml [MORE.yaml ...]")
     parser.add_argument("--at", type=float, action="append", help="compute (FLOPs) to report at")
     parser.add_argument("--question", help="with --hypothesis: record the comparison in the lab "
@@ -91,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         **{k: result[k] for k in ("theoretical", "realized") if k in result},
         "compare": result,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(
+    folder = RESULTS / args.name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (folder / f"{args.name}.md").write_text(
         (out / "report.md").read_text().replace("(compare.png)", f"({args.name}.png)"))
-    shutil.copy(out / "compare.png", RESULTS / f"{args.name}.png")
+    shutil.copy(out / "compare.png", folder / f"{args.name}.png")
     print((out / "report.md").read_text())
-    print(f"wrote {RESULTS / args.name}.json, .md, .png")
+    print(f"wrote {folder / args.name}.json, .md, .png")
     return 0
 
 

@@ -9,7 +9,7 @@ per task is (wall on 1 node - wall in one process) / number of runs. The machine
 cores: 3 nodes of 1 CPU oversubscribe it, so past 2 nodes the figure shows contention,
 not the scaling a cluster of real machines would give; the numbers say what a node adds
 here and what a task costs, which is what carries over. Needs the default corpus
-(prepared here if missing). Results: bench/results/ladder_ray.json.
+(prepared here if missing). Results: bench/results/benchmarks/ladder_ray.json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from moelab.jobs.local_cluster import DRIVER_ENV, LocalCluster
 from moelab.ladder.runner import run_ladder
 from moelab.ladder.spec import spec_from_dict
 
-RESULTS = Path(__file__).parent / "results" / "ladder_ray.json"
+RESULTS = Path(__file__).parent / "results" / "benchmarks" / "ladder_ray.json"
 DATA = data_dir(DataConfig().path)  # the default corpus, where `moelab train` prepares it
 
 

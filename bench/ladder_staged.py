@@ -4,7 +4,7 @@ then scored against the target; the numbers the issue's bar asks for, in one JSO
     python3 bench/ladder_staged.py [--force]     # ~37 min on 2 idle cores
 
 Runs (or, for the runs already finished in its out directory, just reads) the ladder
-with `moelab ladder run`'s code and writes bench/results/ladder_staged.json: `stages`
+with `moelab ladder run`'s code and writes bench/results/ladder_staged/v3/stages.json: `stages`
 (each stage's `predicted`, `actual`, `interval`, `relative_error`),
 `curve_median_abs_rel_error` (the pre-registered curve against every evaluation of the
 target, across the switch) and `wall_s` (all runs' training and scoring), plus the
@@ -23,7 +23,7 @@ from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
 from moelab.ladder.runner import run_ladder
 from moelab.ladder.spec import load_spec
 
-RESULTS = Path(__file__).parent / "results" / "ladder_staged.json"
+RESULTS = Path(__file__).parent / "results" / "ladder_staged" / "v3" / "stages.json"
 
 
 def summary(report: dict) -> dict:

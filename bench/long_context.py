@@ -30,7 +30,7 @@ Recipe (configs/stages/long_context.yaml; the field's long-context stage scaled 
   (cf 1.25, one capacity group per sequence) and pooled dispatch (one pool per batch) on
   held-out windows of 128 (batch 16) vs 1024 (batch 2), same tokens per batch.
 
-Writes bench/results/long_context.json (every cell) and long_context.{md,png}.
+Writes bench/results/long_context/long_context.json (every cell) and long_context.{md,png}.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from moelab.train.trainer import Parent, Trainer, prepared_data
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "configs/stages/long_context.yaml"
-RESULTS = ROOT / "bench/results"
+RESULTS = ROOT / "bench/results/long_context"
 ORIGINAL, LONG = 128, 1024
 FACTOR = LONG / ORIGINAL
 YARN_LOGIT = (0.1 * math.log(FACTOR) + 1) ** 2  # YaRN's temperature, as a logit multiplier

@@ -9,7 +9,7 @@ stage from prepare's own probe. What should hold: the pieces tile the file (thei
 ranges cover it once), every piece is kept, and peak RSS does not grow with the file (one
 task holds one shard of at most SHARD_DOCS pieces, whatever the file's size). The tokenizer
 trains on a fixed 2M-character sample so that every size pays the same for it. Memory and
-counts only, no speed claims. Writes bench/results/long_file.json.
+counts only, no speed claims. Writes bench/results/benchmarks/long_file.json.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rss import run_sampled  # bench/rss.py
 
-RESULTS = Path(__file__).parent / "results" / "long_file.json"
+RESULTS = Path(__file__).parent / "results" / "benchmarks" / "long_file.json"
 CHILD = """
 import json, sys
 from moelab.data.prepare import prepare

@@ -27,7 +27,7 @@ after a pause that lets the other's threads go idle).
 
 Rounds alternate every variant, so background load hits all alike; the medians, each
 variant's speed against the dense block, and the ms it adds over it are printed and
-written to bench/results/moe_block_bounds.json.
+written to bench/results/benchmarks/moe_block_bounds.json.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from moelab.model.dispatch.drops import Drops
 from moelab.model.transformer import Block
 from moelab.train.memory import keep_freed_memory
 
-RESULTS = Path(__file__).parent / "results" / "moe_block_bounds.json"
+RESULTS = Path(__file__).parent / "results" / "benchmarks" / "moe_block_bounds.json"
 GEMM_PAUSE_S = 0.5  # before each library's GEMMs: lets the other's spinning threads sleep
 GEMM_CALLS = 9  # back to back; their median is a round's time
 

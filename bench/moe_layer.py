@@ -23,7 +23,7 @@ the same shapes; batched_uniform / swiglu_equal_active_flops is what running E p
 [rows / E, D] @ [D, d_ff] costs against one [tokens, D] @ [D, top_k * d_ff].
 Reps of all modes alternate after warmup, so load from other processes hits them
 alike; medians and their ratio to dense are printed and written to
-bench/results/moe_layer.json.
+bench/results/benchmarks/moe_layer.json.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from moelab.model.moe import MoE
 from moelab.model.router import Routing
 from moelab.parallel.expert import with_dispatch
 
-RESULTS = Path(__file__).parent / "results" / "moe_layer.json"
+RESULTS = Path(__file__).parent / "results" / "benchmarks" / "moe_layer.json"
 
 
 def dense_dispatch(x, routing: Routing, experts: Experts, moe: MoEConfig):

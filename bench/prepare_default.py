@@ -11,7 +11,7 @@ in a fresh process, alternating this/reference (A/B/A/B...) so that a change in 
 machine's load hits both alike; both the prepare call and the whole process (imports
 included, which `moelab train` also pays) are timed, and the CPU seconds of each process
 with its workers are recorded. The load average is recorded; on a busy machine no results
-are written unless --force. Writes bench/results/prepare_default.json.
+are written unless --force. Writes bench/results/benchmarks/prepare_default.json.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from machine import describe, load_per_core, refuse_if_busy, settle  # bench/machine.py
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).parent / "results" / "prepare_default.json"
+RESULTS = Path(__file__).parent / "results" / "benchmarks" / "prepare_default.json"
 STAGES = "src/moelab/data/stages.py"
 CHILD = ("import sys, time; from moelab.data.prepare import ensure_default_corpus; "
          "start = time.perf_counter(); ensure_default_corpus(sys.argv[1]); "

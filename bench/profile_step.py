@@ -14,7 +14,7 @@ over the threads that ran it, its share of all op time, and how much of it is ma
 the figure to read, not absolute milliseconds; the step time beside them is measured
 without the profiler, in the same run.
 
-Results: bench/results/profile_step.json, one entry per --label (e.g. "before", "after"),
+Results: bench/results/benchmarks/profile_step.json, one entry per --label (e.g. "before", "after"),
 so a change is shown as two tables measured with the same script. `--set` changes the
 tiny preset (dotted keys, YAML values: `--set model.scan_layers=true`), so an earlier
 form of it can be profiled beside the current one. The process keeps freed memory
@@ -46,7 +46,7 @@ from moelab.train.cli import config_path
 from moelab.train.memory import keep_freed_memory
 from moelab.train.metrics import flops_per_token
 
-RESULTS = Path(__file__).parent / "results" / "profile_step.json"
+RESULTS = Path(__file__).parent / "results" / "benchmarks" / "profile_step.json"
 # the model's named scopes, innermost wins ("dispatch/experts" is "experts")
 GROUPS = ("attention", "norm", "router", "dispatch", "experts", "dense_ffn", "embed", "head",
           "loss", "optimizer")

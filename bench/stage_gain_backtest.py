@@ -12,8 +12,8 @@ that extrapolate the way the target does: fitted on the cooldown branches, predi
 trunks (further in D), and fitted without the widest rung, predicting it (further in N).
 The score is the relative error of the end-of-run loss given the measured loss at the
 switch, so only the gain's form is judged. Prints the table and writes
-bench/results/stage_gain_backtest.json; the lowest mean |error| over every ladder and
-split is the form moelab fits.
+bench/results/stage_gain_backtest/stage_gain_backtest.json; the lowest mean |error| over
+every ladder and split is the form moelab fits.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from moelab.ladder.results import RunResult
 from moelab.ladder.spec import load_spec
 
 RESULTS = Path(__file__).parent / "results"
-OUT = RESULTS / "stage_gain_backtest.json"
+OUT = RESULTS / "stage_gain_backtest" / "stage_gain_backtest.json"
 CONFIGS = Path(__file__).parents[1] / "configs" / "ladder"
-DEFAULT = [f"{CONFIGS / 'staged_v2.yaml'}:{RESULTS / 'ladder_staged_v2_preregistration.json'}",
+DEFAULT = [f"{CONFIGS / 'staged_v2.yaml'}:{RESULTS / 'ladder_staged/v2/preregistration.json'}",
            f"{CONFIGS / 'staged_replica.yaml'}:"
-           f"{RESULTS / 'ladder_staged_replica_preregistration.json'}"]
+           f"{RESULTS / 'ladder_staged/v2-replica/preregistration.json'}"]
 TERMS = {"const": [], "ln_n": ["ln_n"], "ln_d": ["ln_d"], "ln_n+ln_d": ["ln_n", "ln_d"]}
 
 
@@ -45,6 +45,14 @@ def ladder_rows(pair: str) -> list[dict]:
     results = [RunResult(**{k: v for k, v in r.items() if k in fields})
                for r in record["rungs"]]
     return stage_gain_rows(load_spec(spec_path), results, len(record["stages"]) - 1)
+
+
+def ladder_name(prereg: Path) -> str:
+    """A pre-registration's name in the tables: its study/version folder under bench/results
+    (every version's file is called preregistration.json), else the file's stem."""
+    if prereg.name == "preregistration.json":
+        return f"{prereg.parent.parent.name}/{prereg.parent.name}"
+    return prereg.stem
 
 
 def score(rows: list[dict], relative: bool, terms: list[str], fit: np.ndarray) -> np.ndarray:
@@ -65,7 +73,7 @@ def main() -> None:
     for pair in pairs:
         rows = ladder_rows(pair)
         n = np.array([r["ln_n"] for r in rows])
-        ladders[Path(pair.split(":", 1)[1]).stem] = (rows, {
+        ladders[ladder_name(Path(pair.split(":", 1)[1]))] = (rows, {
             "branches_to_trunks": np.array([r["branch"] for r in rows]),
             "narrow_to_widest": n < n.max()})
     table: dict[str, dict] = {}
@@ -85,7 +93,7 @@ def main() -> None:
         cells = "  ".join(f"{c['mean_abs']:.2%}" for c in entry["cells"].values())
         print(f"{form:22s} mean |error| {entry['mean_abs']:.3%}   ({cells})")
     print(f"best: {best}")
-    out = {"ladders": [f"{stem}.json" for stem in ladders], "forms": table, "best": best,
+    out = {"ladders": list(ladders), "forms": table, "best": best,
            "score": "relative error of the end-of-run loss given the measured loss at the "
                     "switch; mean |error| over every ladder and split"}
     OUT.write_text(json.dumps(out, indent=1) + "\n")

@@ -8,7 +8,8 @@ The rungs' losses at their end of the first stage sit at three steps per width (
 branches' and the trunk's switch). Fitted on the two earlier ends of every width, each law
 predicts the latest: L(N, D) on those stage-end losses, and the curve law on every rung
 evaluation whose lr-weighted tokens S1 reach no further than the second end's. Prints and
-writes bench/results/stage_law_backtest.json: each law's relative error per width.
+writes bench/results/stage_law_backtest/stage_law_backtest.json: each law's relative error
+per width.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from moelab.ladder.predict import _curve_points, _loss_at, stage_ends
 from moelab.ladder.runner import finished_rungs
 from moelab.ladder.spec import load_spec
 
-OUT = Path(__file__).parent / "results" / "stage_law_backtest.json"
+OUT = Path(__file__).parent / "results" / "stage_law_backtest" / "stage_law_backtest.json"
 
 
 def backtest(spec) -> dict:

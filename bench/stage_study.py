@@ -10,7 +10,7 @@ are scored on the whole validation split of every source (the ladder's evaluator
 switch's worth on the up-weighted source is the number of steps the no-switch recipe needs
 to reach the staged run's loss on it (interpolated linearly in log steps between the two
 no-switch runs around it), over the staged run's steps: a compute multiplier, with what the
-switch cost on the other sources beside it. Results: bench/results/stage_study.json.
+switch cost on the other sources beside it. Results: bench/results/stage_study/stage_study.json.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from moelab.ladder.evaluate import make_evaluator
 from moelab.train.cli import config_path
 from moelab.train.trainer import prepared_data, train
 
-RESULTS = Path(__file__).parent / "results" / "stage_study.json"
+RESULTS = Path(__file__).parent / "results" / "stage_study" / "stage_study.json"
 SWITCH = 0.8  # the last 20% of the steps
 
 

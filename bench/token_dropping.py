@@ -10,8 +10,8 @@ capacity can sit, and how much of it does bias balancing remove?
    exactly as bench/balance.py trains `aux_loss` (softmax, aux weight 0.01) and
    `bias_sign` (sigmoid, no aux loss, sign rule at rate 0.01; chosen over bias_quantile:
    of the two bias rules within 0.5% of the aux run's val loss it has the flatter load,
-   and QB at rate 0.1 costs +1.2%: see bench/results/balance_tiny.json). The runs live in
-   runs/bench/balance/ and are reused when finished. A third "router" is
+   and QB at rate 0.1 costs +1.2%: see bench/results/balance_tiny/balance_tiny.json). The
+   runs live in runs/bench/balance/ and are reused when finished. A third "router" is
    `moe.uniform_routing` (position s -> experts (s*K + j) mod E): the perfectly balanced
    floor, which must drop nothing at capacity factor >= 1.
 2. Each step of a context L holds 8 x tokens_per_device tokens: 8 * T / L sequences,
@@ -37,7 +37,7 @@ capacity can sit, and how much of it does bias balancing remove?
    at capacity factors 1.0 and 1.25.
 
 Drop counts are deterministic, so the machine's load does not change them. Prints a
-table; writes bench/results/token_dropping.json and token_dropping.png.
+table; writes bench/results/token_dropping/token_dropping.{json,png}.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from moelab.train.checkpoint import load_latest  # noqa: E402
 from moelab.train.cli import config_path  # noqa: E402
 from moelab.train.trainer import train  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results" / "token_dropping"
 RUNS = Path("runs/bench/balance")
 ROUTERS = ("aux_loss", "bias_sign")  # trained; "uniform" is added as the floor
 CONTEXTS = (512, 2048, 8192, 32768)

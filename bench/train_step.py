@@ -22,7 +22,7 @@
 
 The load average is recorded before and after; on a busy machine (above 0.5 per core) the
 run refuses to write results unless given --force, since timings would be distorted.
-Results: bench/results/train_step.json.
+Results: bench/results/benchmarks/train_step.json.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from moelab.train.metrics import flops_per_token
 from moelab.train.optimizer import make_optimizer, trainable
 from moelab.train.step import make_train_step
 
-RESULTS = Path(__file__).parent / "results" / "train_step.json"
+RESULTS = Path(__file__).parent / "results" / "benchmarks" / "train_step.json"
 
 
 def setup(cfg: Config, donate: bool = True):
@@ -233,7 +233,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     refuse_if_busy(result["machine"], args.force)
-    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 

@@ -11,7 +11,7 @@ sum(out * g), and its gradients with respect to every weight and the input. Reps
 two alternate, after warmup, so load from other processes hits both alike, with a pause
 whenever the library changes (one library's threads spin on after a call and slowed the
 other's next call) and an untimed call after it; the medians and their ratio are
-printed and written to bench/results/vs_transformers.json. (Running transformers in a
+printed and written to bench/results/benchmarks/vs_transformers.json. (Running transformers in a
 child process instead, so that the two libraries' thread pools never share a process,
 did not change the ratios: MoE / dense 0.92 and 0.91 paired in two runs against 0.94 in
 one process, within this VM's run-to-run spread.)
@@ -53,7 +53,7 @@ from moelab.export.hf import export_hf
 from moelab.model import Transformer
 from moelab.model.transformer import Block
 
-RESULTS = Path(__file__).parent / "results" / "vs_transformers.json"
+RESULTS = Path(__file__).parent / "results" / "benchmarks" / "vs_transformers.json"
 # Between the JAX blocks and PyTorch's. PyTorch's threads keep spinning for a while after
 # a call and slow what runs next, most of all the MoE kernel's loops of small ops (one
 # run, 25 reps, machine B: after a 0.3 s pause the MoE block took 145.8 ms against its

@@ -23,8 +23,8 @@ curve are fitted on these (moelab.ladder.fit.CURVE_FORMS):
 
 bench/curve_law_study.py chose between them on rung-only backtests (fit on the early or
 narrow rungs' points, predict the rest): "q" won on both of the project's stored rung sets
-(bench/results/curve_law_study.json), so it stays the default; `fit.curve_law: tissue`
-selects the other.
+(bench/results/curve_law_study/curve_law_study.json), so it stays the default;
+`fit.curve_law: tissue` selects the other.
 """
 
 from __future__ import annotations

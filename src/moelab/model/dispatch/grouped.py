@@ -13,7 +13,7 @@ the run is short, are masked, so each row counts once). Compute is therefore the
 themselves plus fewer than `block` rows per expert, as plain 2-D matmuls, and an uneven
 run costs few extra matmuls: with the earlier tail of up to 3 chunks of `block` rows after
 chunks of 4 blocks, real routing took 1.16x the time of exactly uniform routing; now 1.07x
-(fwd+bwd, B8 S256 D256 F512 E8 top-2, bench/results/moe_layer.json). Every read stays
+(fwd+bwd, B8 S256 D256 F512 E8 top-2, bench/results/benchmarks/moe_layer.json). Every read stays
 inside the rows, so nothing is padded or copied around the loop (padding the rows and the
 incoming gradient cost 10-12% of the kernel's fwd+bwd time, measured side by side); a
 full chunk owns all its rows and writes them without a mask.
