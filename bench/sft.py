@@ -9,7 +9,7 @@ cross-entropy of the assistant's tokens (their <|im_end|> included) given the pr
 exact match: the greedy reply to (system, user) with the generation prompt, stopped at
 <|im_end|>, equals the reference answer character for character.
 
-    PYTHONPATH=src python bench/sft.py [--seeds 2] [--out bench/results/sft.json]
+    PYTHONPATH=src python bench/sft.py [--seeds 2] [--out bench/results/sft/sft.json]
 """
 
 from __future__ import annotations
@@ -44,18 +44,19 @@ from moelab.train.checkpoint import load_latest
 from moelab.train.step import make_loss
 from moelab.train.trainer import Parent, train
 
-SEQ_LEN = 128
+SEQ_LEN = 128  # pre-training
+SFT_SEQ_LEN = 192  # the longest conversation of the sample is ~130 tokens
 BASE_STEPS, SFT_STEPS = 300, 300
 EXAMPLES = 1200  # a hash-ordered sample of the set: ~1080 train, ~120 held out
 MAX_NEW = 40  # tokens of a greedy reply: the longest reference is ~30
 
 
-def model_config(data: Path, seed: int, **sections) -> dict:
+def model_config(corpus: Path, seed: int, **sections) -> dict:
     raw = {
         "model": {"vocab_size": 2048, "d_model": 96, "n_layers": 2, "n_heads": 4,
                   "n_kv_heads": 2, "d_ff": 96},
         "moe": {"n_experts": 4, "top_k": 2, "dispatch": "dropless"},
-        "data": {"path": str(data), "seq_len": SEQ_LEN, "batch_size": 16, "seed": seed},
+        "data": {"path": str(corpus), "seq_len": SEQ_LEN, "batch_size": 16, "seed": seed},
         "optim": {"lr": 3e-3, "warmup_steps": 20},
         "train": {"steps": BASE_STEPS, "seed": seed, "log_every": 50, "eval_every": 100,
                   "eval_batches": 1, "checkpoint_every": 100, "keep_checkpoints": 1},
@@ -70,7 +71,7 @@ def held_out_scores(run_dir: Path, data: Path, val_path: Path) -> dict:
     model, cfg, _ = load_latest(run_dir)
     tokenizer, template = load_tokenizer(data), chat_template_of(data)
     conversations = read_conversations(val_path)
-    packed = pack(encode_all(tokenizer, conversations, SEQ_LEN, template), SEQ_LEN,
+    packed = pack(encode_all(tokenizer, conversations, SFT_SEQ_LEN, template), SFT_SEQ_LEN,
                   read_meta(data)["eos_id"])
     loss = eqx.filter_jit(make_loss(cfg))
     nll = targets = 0.0
@@ -99,7 +100,7 @@ def summary(values: list[float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/sft.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/sft/sft.json"))
     parser.add_argument("--work", type=Path, default=None, help="keep the runs here")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="moelab-sft-"))
@@ -117,7 +118,8 @@ def main() -> None:
         base, sft = work / f"base{seed}", work / f"sft{seed}"
         train(config_from_dict(model_config(data, seed)), base)
         sft_raw = model_config(
-            data, seed, data={"conversations": str(qa / SPLIT_FILES["train"])},
+            data, seed, data={"conversations": str(qa / SPLIT_FILES["train"]),
+                              "seq_len": SFT_SEQ_LEN},
             optim={"lr": 1e-3}, train={"steps": BASE_STEPS + SFT_STEPS},
             stages=[{"mixture": {}},  # the base's steps, skipped by the branch
                     {"start": BASE_STEPS, "optimizer": "fresh",
@@ -139,6 +141,7 @@ def main() -> None:
                    "train_tokens": corpus["train_tokens"]},
         "model": model_config(data, 0)["model"] | {"moe": model_config(data, 0)["moe"]},
         "base_steps": BASE_STEPS, "sft_steps": SFT_STEPS, "seq_len": SEQ_LEN,
+        "sft_seq_len": SFT_SEQ_LEN,
         "batch_size": 16, "max_new_tokens": MAX_NEW,
         "metrics": {"loss": "mean cross-entropy (nats) of the held-out assistant tokens, "
                             "<|im_end|> included, given the conversation before them",

@@ -230,3 +230,46 @@ def test_the_conversation_loader_draws_every_row_once_an_epoch(chat_tokenizer, t
     (tmp_path / "tokenizer.json").write_text(train_tokenizer(texts, VOCAB).to_str())
     with pytest.raises(UserError, match="lacks the chat token"):
         ConversationLoader(tmp_path, path, seq_len=127, batch_size=2)
+
+
+def test_sft_branches_from_a_base_with_its_own_schedule_and_trains_on_replies(
+        small_corpus, tmp_path):
+    """A base on the small corpus (its tokenizer given the chat tokens), then `--from BASE
+    --weights-only` onto conversations under a restart stage: the branch trains, records
+    its lineage, and trains to its last step on the packed conversations."""
+    import json
+    import shutil
+
+    import yaml
+    from conftest import losses, tiny_config
+
+    from moelab.cli import main
+    from moelab.data.chat import CHAT_TEMPLATE_FILE, SPECIAL_TOKENS
+    from moelab.data.tokenizer import load_tokenizer
+
+    corpus = tmp_path / "corpus"
+    shutil.copytree(small_corpus, corpus)
+    tokenizer = load_tokenizer(corpus)
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))  # ids 512, 513
+    (corpus / "tokenizer.json").write_text(tokenizer.to_str())
+    (corpus / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations(12)))
+    model = {"vocab_size": 520}
+    train = {"steps": 4, "checkpoint_every": 4, "eval_every": 4, "log_every": 2}
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(tiny_config(corpus, model=model, train=train)))
+    assert main(["train", "--config", str(base), "--run-dir", str(tmp_path / "base")]) == 0
+    sft = tmp_path / "sft.yaml"
+    sft.write_text(yaml.safe_dump(tiny_config(
+        corpus, model=model, train={**train, "steps": 8},
+        data={"conversations": str(chats), "seq_len": 128},
+        stages=[{"mixture": {}}, {"start": 4, "optimizer": "fresh",
+                                  "restart": {"warmup": 1, "decay": "cosine"}}])))
+    assert main(["train", "--config", str(sft), "--run-dir", str(tmp_path / "sft"),
+                 "--from", str(tmp_path / "base"), "--weights-only"]) == 0
+    lineage = json.loads((tmp_path / "sft" / "lineage.json").read_text())
+    assert lineage["step"] == 4 and lineage["optimizer_state"] == "fresh"
+    logged = losses(tmp_path / "sft")
+    assert min(logged) > 4 and max(logged) == 8  # only the branch's steps, all finite
+    assert all(np.isfinite(v) for v in logged.values())

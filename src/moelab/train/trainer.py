@@ -469,6 +469,7 @@ class Trainer:
                       mfu=mfu(stage_config(self.cfg, stage), tokens_per_s))
         if self.plan.staged:  # the stage and the mixture it actually draws (normalized)
             record["stage"] = stage.index
+        if self.plan.staged and isinstance(self.loader, StagedLoader):  # not conversations
             weights = self.loader.weights[stage.index]
             record.update({f"mixture/{s}": float(w) for s, w in
                            zip(self.loader.sources, weights, strict=True)})
