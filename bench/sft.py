@@ -48,7 +48,9 @@ SEQ_LEN = 128  # pre-training
 SFT_SEQ_LEN = 192  # the longest conversation of the sample is ~130 tokens
 BASE_STEPS, SFT_STEPS = 300, 300
 EXAMPLES = 1200  # a hash-ordered sample of the set: ~1080 train, ~120 held out
+TRAIN_PROBE = 100  # train conversations whose exact match is also measured
 MAX_NEW = 40  # tokens of a greedy reply: the longest reference is ~30
+METRICS = ("loss", "exact_match", "stops", "train_exact_match")
 
 
 def model_config(corpus: Path, seed: int, **sections) -> dict:
@@ -66,8 +68,10 @@ def model_config(corpus: Path, seed: int, **sections) -> dict:
     return raw
 
 
-def held_out_scores(run_dir: Path, data: Path, val_path: Path) -> dict:
-    """{loss, exact_match} of the run's last checkpoint on the held-out conversations."""
+def held_out_scores(run_dir: Path, data: Path, val_path: Path, train_path: Path) -> dict:
+    """{loss, exact_match, stops} of the run's last checkpoint on the held-out
+    conversations, and train_exact_match on the first TRAIN_PROBE train ones (seen in SFT:
+    whether greedy decoding can reproduce an answer at all at this size)."""
     model, cfg, _ = load_latest(run_dir)
     tokenizer, template = load_tokenizer(data), chat_template_of(data)
     conversations = read_conversations(val_path)
@@ -82,14 +86,23 @@ def held_out_scores(run_dir: Path, data: Path, val_path: Path) -> dict:
         nll += float(loss(model, batch)[1]["ce"]) * n
         targets += n
     end = tokenizer.token_to_id(END_OF_TURN)
-    hits = 0
-    for conv in conversations:
-        prompt, _ = encode_chat(tokenizer, conv.messages[:-1], add_generation_prompt=True,
-                                template=template)
-        out = generate(model, prompt, MAX_NEW, eos_id=end)
-        reply = tokenizer.decode(out[:-1]) if out and out[-1] == end else None
-        hits += reply == conv.messages[-1]["content"]
-    return {"loss": nll / targets, "exact_match": hits / len(conversations)}
+
+    def replies(convs) -> tuple[float, float]:
+        """(exact match, share of replies that end with <|im_end|> within MAX_NEW)."""
+        hits = stops = 0
+        for conv in convs:
+            prompt, _ = encode_chat(tokenizer, conv.messages[:-1], add_generation_prompt=True,
+                                    template=template)
+            out = generate(model, prompt, MAX_NEW, eos_id=end)
+            reply = tokenizer.decode(out[:-1]) if out and out[-1] == end else None
+            hits += reply == conv.messages[-1]["content"]
+            stops += reply is not None
+        return hits / len(convs), stops / len(convs)
+
+    exact, stops = replies(conversations)
+    train_exact, _ = replies(read_conversations(train_path)[:TRAIN_PROBE])
+    return {"loss": nll / targets, "exact_match": exact, "stops": stops,
+            "train_exact_match": train_exact}
 
 
 def summary(values: list[float]) -> dict:
@@ -126,12 +139,13 @@ def main() -> None:
                      "restart": {"warmup": 20, "decay": "cosine"}}])
         train(config_from_dict(sft_raw), sft, parent=Parent(base, None, weights_only=True))
         for name, run in (("base", base), ("sft", sft)):
-            scores[name].append(held_out_scores(run, data, qa / SPLIT_FILES["val"]))
+            scores[name].append(held_out_scores(run, data, qa / SPLIT_FILES["val"],
+                                                qa / SPLIT_FILES["train"]))
             print(seed, name, scores[name][-1], flush=True)
     corpus = read_meta(data)
     result = {
-        **{name: {metric: summary([s[metric] for s in runs])
-                  for metric in ("loss", "exact_match")} for name, runs in scores.items()},
+        **{name: {metric: summary([s[metric] for s in runs]) for metric in METRICS}
+           for name, runs in scores.items()},
         "seeds": args.seeds,
         "set": {"examples": qa_meta["examples"], "by_kind": qa_meta["by_kind"],
                 "sha256": qa_meta["sha256"]},
@@ -145,7 +159,11 @@ def main() -> None:
         "batch_size": 16, "max_new_tokens": MAX_NEW,
         "metrics": {"loss": "mean cross-entropy (nats) of the held-out assistant tokens, "
                             "<|im_end|> included, given the conversation before them",
-                    "exact_match": "greedy reply stopped at <|im_end|> equals the reference"},
+                    "exact_match": "greedy reply stopped at <|im_end|> equals the reference",
+                    "stops": "share of greedy replies that end with <|im_end|> within "
+                             "max_new_tokens",
+                    "train_exact_match": f"exact match on the first {TRAIN_PROBE} train "
+                                         "conversations (seen in SFT)"},
         "wall_s": round(time.time() - started),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

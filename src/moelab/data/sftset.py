@@ -108,7 +108,9 @@ def build_sft_set(out: str | Path, val_fraction: float = 0.1,
         seen.setdefault(question, (answer, source))
     if not seen:
         raise UserError("found no man pages or stdlib docstrings to build the set from")
-    order = sorted(seen, key=lambda q: hashlib.sha256(q.encode()).digest())
+    # the sample's order is a hash of its own: the split's hash would put every held-out
+    # question first (they are the low end of its range)
+    order = sorted(seen, key=lambda q: hashlib.sha256(b"sample\0" + q.encode()).digest())
     kept = order[:max_examples] if max_examples else order
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
