@@ -75,7 +75,7 @@ def main() -> None:
                         choices=["prepare", "lexical", "neural", "mix", "mix_trust"],
                         help="phases to skip (their figures stay as the last run left them)")
     args = parser.parse_args()
-    from moelab.data.curate import curate
+    from moelab.curate.pipeline import curate
     from moelab.data.prepare import INSTALLED_SOURCES, prepare
 
     out = Path(args.out)
@@ -144,7 +144,7 @@ def search_cells(out: Path, args: argparse.Namespace, sub: str = "mix_cells",
     scale: proxies and validation runs are the preset itself (its steps and batch), so
     the predicted loss and the measured one are of the same run length."""
     from moelab.config import load_config
-    from moelab.data.mixsearch import mix_search
+    from moelab.curate.mixsearch import mix_search
     from moelab.train.cli import config_path, parse_overrides
 
     cfg = load_config(config_path("tiny"), parse_overrides(

@@ -51,12 +51,11 @@ import numpy as np
 import yaml
 
 from moelab.config import config_from_dict
+from moelab.eval.bpb import val_windows as windows
 from moelab.eval.longctx import evaluate, pooled_gain, short_context_loss
-from moelab.ladder.evaluate import windows
 from moelab.model import Transformer
 from moelab.train.checkpoint import load_latest
 from moelab.train.interrupt import StopRequest
-from moelab.train.plan import build_plan
 from moelab.train.rundir import RunDirLock
 from moelab.train.trainer import Parent, Trainer, prepared_data
 
@@ -252,7 +251,7 @@ def main() -> None:
     plan = yaml.safe_load(PLAN.read_text())
     pre_dir = args.work / "baseline_seed0"  # the pre-training: the plan, not extended
     base_cfg = cell_config(plan, "baseline", 0)
-    boundary = build_plan(base_cfg).starts()[0]
+    boundary = base_cfg.plan.starts()[0]
     data_dir = prepared_data(base_cfg)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     if "plan" not in results.get("recipe", {}):  # another study's file: start afresh
@@ -261,7 +260,7 @@ def main() -> None:
         "recipe": {"plan": str(PLAN.relative_to(ROOT)), "steps": base_cfg.train.steps,
                    "extension_start": boundary, "pretrain_seq_len": ORIGINAL,
                    "pretrain_batch": base_cfg.data.batch_size, "extension_seq_len": LONG,
-                   "extension_batch": build_plan(cell_config(plan, "yarn/scale_1", 0)).stages[
+                   "extension_batch": cell_config(plan, "yarn/scale_1", 0).plan.stages[
                        1].batch_size, "yarn_logit_scale": YARN_LOGIT,
                    "passkey_trials": args.trials},
     })
@@ -285,7 +284,7 @@ def main() -> None:
                                  None if first else Parent(pre_dir, boundary))
             model, cfg, _ = load_latest(run_dir)
             # the checkpoint loads with the extension stage's RoPE (what export would write)
-            assert cfg.model == build_plan(cell_config(plan, name, seed)).stages[-1].model
+            assert cfg.model == cell_config(plan, name, seed).plan.stages[-1].model
             t = time.time()
             cell["seeds"][str(seed)] = {**evaluate(model, data_dir, ORIGINAL,
                                                    trials=args.trials),

@@ -198,6 +198,23 @@ def comparison(r: dict) -> list[str]:
     return out
 
 
+def token_drops(r: dict) -> list[str]:
+    """bench/token_dropping.py: the dropped % per mode at each capacity factor, and the
+    max/mean expert load per sequence / device / global, for every router and context."""
+    modes, factors = list(r["modes"]), r["factors"]
+    rows = []
+    for router, contexts in r["routers_x_contexts"].items():
+        for context, cell in contexts.items():
+            drops, load = cell["mean"]["drops"], cell["mean"]["max_over_mean_load"]
+            rows.append([router, context, str(cell["sequences_per_device"])] + [
+                " / ".join(f"{100 * drops[f'{m} cf{f}']['drop']:.1f}" for f in factors)
+                for m in modes] + [" / ".join(f"{load[k]:.2f}"
+                                              for k in ("sequence", "device", "global"))])
+    cf = " / ".join(str(f) for f in factors)
+    return [f"Dropped % of token-assignments at capacity factor {cf}:", ""] + table(
+        ["router", "context", "seqs/device", *modes, "max/mean load seq / dev / global"], rows)
+
+
 def special(name: str, data: Any) -> list[str]:
     if isinstance(data, dict) and {"predicted", "actual", "relative_error"} <= data.keys():
         return ladder_report(data)
@@ -209,6 +226,8 @@ def special(name: str, data: Any) -> list[str]:
             ["wall, all runs (min)", fmt(data["wall_s"] / 60)]])
     if isinstance(data, dict) and "theoretical" in data and "realized" in data:
         return comparison(data)
+    if isinstance(data, dict) and "routers_x_contexts" in data:
+        return token_drops(data)
     return []
 
 
@@ -239,6 +258,16 @@ def images(folder: Path, site_dir: str, stem: str = "") -> tuple[list[str], dict
         found[site] = png
         lines += [f"![{png.stem}]({png.name})", ""]
     return lines, found
+
+
+def generated_report(path: Path) -> list[str]:
+    """A report the study's code wrote (never edited by hand), folded, its headings moved
+    below the page's and its images left to the page."""
+    body = [("###" + x) if x.startswith("#") else x
+            for x in path.read_text().splitlines() if not x.startswith("![")]
+    rel = path.relative_to(ROOT).as_posix()
+    return [f'??? note "Generated report: {rel}"', ""] + [
+        "    " + x if x.strip() else "" for x in body] + [""]
 
 
 def notes(path: Path) -> list[str]:
@@ -283,7 +312,7 @@ def study_page(folder: Path) -> Page:
             lines += [f"Pre-registration: `{rel}` (written before the target trained).", ""]
         for report in sorted(sub.glob("*.md")):
             if report.name != "notes.md":
-                lines += [f"Generated report: `{report.relative_to(ROOT).as_posix()}`.", ""]
+                lines += generated_report(report)
         prefix = f"{sub.name}/" if sub != folder else ""
         pics, more = images(sub, f"{site_dir}/{prefix}".rstrip("/"))
         lines += [p.replace("](", f"]({folder.name}/{prefix}") if p.startswith("![") else p

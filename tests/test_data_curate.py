@@ -14,8 +14,8 @@ import yaml
 from conftest import tiny_config
 
 from moelab.cli import main
+from moelab.curate.pipeline import curate
 from moelab.data import cells, cluster
-from moelab.data.curate import curate
 from moelab.data.loader import Loader, capped, read_meta, resolve_mixture
 from moelab.data.provenance import read_manifest
 from moelab.errors import UserError

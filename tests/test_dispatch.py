@@ -270,3 +270,84 @@ def test_kernels_agree_with_ragged_dot_on_every_run_length(kernel):
     np.testing.assert_allclose(va, vb, rtol=1e-5)
     for a, b in zip(ga, gb, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------- the registry
+
+
+def dense_dispatch(x, routing, experts, moe):
+    """A toy fifth dispatch: every expert runs on every token, each token keeps its top-k
+    outputs. The same function as dropless (nothing dropped), computed another way."""
+    from moelab.model.dispatch import Drops
+
+    b, s, d = x.shape
+    k = routing.experts.shape[-1]
+    out = experts(jnp.broadcast_to(x.reshape(1, b * s, d), (moe.n_experts, b * s, d)))
+    es, ws = routing.experts.reshape(-1, k), routing.weights.reshape(-1, k)
+    picked = out[es, jnp.arange(b * s)[:, None]]  # [T, K, D]: out[e_tk, t]
+    y = jnp.einsum("tk,tkd->td", ws.astype(x.dtype), picked)
+    return y.reshape(b, s, d), Drops.at_expert(0)
+
+
+def check_dense(cfg):
+    from moelab.config import ConfigError
+
+    if cfg.mesh.expert > 1:
+        raise ConfigError("mesh.expert: the dense toy dispatch runs on one device; set 1")
+
+
+@pytest.fixture
+def dense(monkeypatch):
+    """The toy registered for this test only (the registry is as it was afterwards)."""
+    from moelab.model.dispatch import DispatchEntry
+
+    entry = DispatchEntry("dense", dense_dispatch, drops=False, check=check_dense)
+    monkeypatch.setitem(DISPATCHES, "dense", entry)
+    return entry
+
+
+def test_the_registry_holds_the_configs_dispatch_names():
+    import typing
+
+    from moelab.config import MoEConfig
+    from moelab.parallel import expert  # noqa: F401  (fills the expert-parallel forms)
+
+    names = typing.get_args(typing.get_type_hints(MoEConfig)["dispatch"])
+    assert set(DISPATCHES) == set(names)
+    assert all(entry.expert_parallel is not None for entry in DISPATCHES.values())
+    assert [n for n, e in DISPATCHES.items() if not e.drops] == ["dropless"]
+
+
+def test_a_dispatch_registered_in_one_place_trains_and_is_checked(dense):
+    """The toy, registered above and nowhere else, is built into an MoE layer by name and
+    gives dropless's output and gradients (the same function: only the summation order
+    differs, ~1e-7 relative per f32 op, so 1e-5 absolute on O(1) values leaves room), and its
+    mesh check runs where every dispatch's does."""
+    import dataclasses
+
+    import equinox as eqx
+
+    from moelab.config import ConfigError, config_from_dict
+    from moelab.model.dispatch import check_dispatch
+    from moelab.model.moe import MoE
+
+    base = config_from_dict({"model": {"d_model": 16, "d_ff": 24},
+                             "moe": {"n_experts": 4, "top_k": 2}})
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 16)), jnp.float32)
+    loss = eqx.filter_jit(eqx.filter_value_and_grad(lambda layer: jnp.sum(layer(x)[0] ** 2)))
+    results = {}
+    for name in ("dropless", "dense"):
+        layer = MoE.init(base.model, dataclasses.replace(base.moe, dispatch=name),
+                         jax.random.key(0))
+        assert layer.dispatch is DISPATCHES[name].local
+        results[name] = loss(layer)
+    (value, grads), (ref_value, ref_grads) = results["dense"], results["dropless"]
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(g, ref, atol=1e-5)
+
+    one = dataclasses.replace(base, moe=dataclasses.replace(base.moe, dispatch="dense"))
+    check_dispatch(one)
+    two = dataclasses.replace(one, mesh=dataclasses.replace(one.mesh, expert=2))
+    with pytest.raises(ConfigError, match=r"mesh\.expert"):
+        check_dispatch(two)

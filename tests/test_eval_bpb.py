@@ -10,8 +10,9 @@ from conftest import tiny_config
 
 from moelab.config import config_from_dict
 from moelab.data.tokenizer import load_tokenizer, train_tokenizer
-from moelab.eval.bpb import bits_per_byte, token_bytes, val_windows, whole_split_evaluator
+from moelab.eval.bpb import val_windows, whole_split_evaluator
 from moelab.model import Transformer
+from moelab.train.bpb import bits_per_byte, token_bytes
 
 
 def test_token_bytes_add_up_to_the_utf8_bytes_of_the_text():

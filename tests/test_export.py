@@ -58,6 +58,7 @@ def logits_of(model: Transformer, tokens):
     ("moe", "routed_scaling", 2.0, "moe.routed_scaling"),
     ("model", "qk_norm", False, "model.qk_norm"),
     ("moe", "uniform_routing", True, "moe.uniform_routing"),  # a debug routing
+    ("moe", "n_group", 2, "moe.n_group"),  # groups: Glm4Moe's, and it routes with sigmoid
 ])
 def test_inexpressible_configs_are_refused_by_name_and_write_nothing(
         tmp_path, section, field, value, named):

@@ -10,9 +10,10 @@ import yaml
 from conftest import tiny_config
 
 from moelab import cli
+from moelab.eval.bpb import val_windows as windows
 from moelab.lab.store import Store
 from moelab.ladder import prereg
-from moelab.ladder.evaluate import make_evaluator, row_losses_fn, windows
+from moelab.ladder.evaluate import make_evaluator, row_losses_fn
 from moelab.ladder.results import result
 from moelab.ladder.runner import ensure_trained
 from moelab.ladder.spec import spec_from_dict

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moelab.cli import main
-from moelab.data.mixsearch import choose, fit_loglinear, predict
+from moelab.curate.mixsearch import choose, fit_loglinear, predict
 
 pytest.importorskip("sklearn", reason="pip install 'moelab[curation]'")
 TRUE = np.array([[1.5, 1.2, 1.4], [1.3, 1.6, 1.2]])  # [sources, components] of log loss
@@ -68,7 +68,7 @@ def test_reused_proxies_and_the_trust_region(small_corpus, tmp_path):
     from conftest import tiny_config
 
     from moelab.config import config_from_dict
-    from moelab.data.mixsearch import MIN_PROXIES, mix_search
+    from moelab.curate.mixsearch import MIN_PROXIES, mix_search
     from moelab.errors import UserError
 
     cfg = config_from_dict(tiny_config(small_corpus))

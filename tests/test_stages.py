@@ -9,9 +9,9 @@ import pytest
 from conftest import THREE_STAGES, events, losses, moelab_train, tiny_config
 
 from moelab.config import config_from_dict
+from moelab.config.plan import build_plan
 from moelab.data.loader import StagedLoader, read_meta
 from moelab.errors import ConfigError
-from moelab.train.plan import build_plan
 from moelab.train.trainer import FAULT_ENV
 
 
@@ -115,7 +115,7 @@ def test_a_stage_changes_rope_from_the_runs_model():
 def test_a_stage_keeps_short_windows_in_its_long_batches():
     """short_fraction cuts that share of the stage's sequences into windows of the run's
     seq_len: the stage's config carries it as data.short_rows / short_len."""
-    from moelab.train.plan import stage_config
+    from moelab.config.plan import stage_config
 
     cfg = staged("data", [{}, {"start": 10, "seq_len": 128, "batch_size": 4,
                                "short_fraction": 0.5}])
@@ -254,9 +254,9 @@ def test_a_stage_with_short_windows_trains_its_steps_with_them(small_corpus, tmp
     stage with short_fraction 0.5 logs the loss of the boundary checkpoint on its batch
     with the first of the 2 sequences cut into windows of 32; the steps before are the
     same as without the cut."""
+    from moelab.config.plan import stage_config
     from moelab.model.transformer import short_segments
     from moelab.train.checkpoint import load_latest
-    from moelab.train.plan import stage_config
     from moelab.train.step import make_loss
     from moelab.train.trainer import train
 
@@ -298,10 +298,10 @@ def test_a_rope_extension_stage_trains_resumes_bitwise_and_exports_its_rope(
     under the run's); kill -9 at the boundary and one step after resume bitwise; the
     checkpoint loads, and exports, with the last stage's RoPE and seq_len."""
     from moelab import cli
+    from moelab.config.plan import stage_config
     from moelab.export.hf import hf_rope_parameters
     from moelab.model.transformer import with_model_config
     from moelab.train.checkpoint import load_latest
-    from moelab.train.plan import stage_config
     from moelab.train.step import make_loss
 
     train = {"steps": 16, "checkpoint_every": 5, "keep_checkpoints": 1, "eval_every": 100,

@@ -23,11 +23,13 @@ from moelab.schema import bounded
 
 PARTS = [
     "moelab.data.cli",
+    "moelab.curate.cli",  # after data: adds its commands under `moelab data`
     "moelab.train.cli",
     "moelab.ladder.cli",
     "moelab.lab.cli",
     "moelab.export.cli",
     "moelab.eval.cli",
+    "moelab.serve.cli",
 ]
 
 

@@ -1,4 +1,5 @@
-"""`moelab data prepare` and `moelab data stats`; heavy imports wait for the handlers."""
+"""`moelab data prepare` and `moelab data stats` (`moelab.curate.cli` adds curate and
+mix-search); heavy imports wait for the handlers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import math
 from pathlib import Path
 
 from moelab.errors import UserError
-from moelab.jobs.cli import add_ray_arguments, ray_options
 from moelab.schema import brief, float_in, int_in
 
 # `moelab data prepare`'s default document limit (characters): a longer file is split into
@@ -22,7 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare = commands.add_parser(
         "prepare", help="ingest, deduplicate, train a tokenizer and write token shards"
     )
-    prepare.add_argument("--out", required=True, help="dataset directory to write")
+    prepare.add_argument("--out", default=None, help="dataset directory to write (with "
+                         "--preset: default, the preset's data.path under $MOELAB_HOME)")
+    prepare.add_argument("--preset", choices=sorted(CORPUS_PRESET_NAMES), default=None,
+                         help="a named corpus, every setting fixed (ladder: the default sources "
+                         "without the 400-file cap, ~35M train tokens; data.path "
+                         "runs/data/ladder)")
     prepare.add_argument(
         "--source", action="append", default=[], metavar="NAME=GLOB",
         help="files of one source; repeat for more sources or more globs of one source, "
@@ -61,72 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--long-files", choices=["split", "drop"], default="split",
                          help="split a file over --max-chars into pieces, or drop it as "
                          "too_long unread (a file of 4x that many bytes is never read whole)")
-    _executor_options(prepare)
+    executor_options(prepare)
     prepare.set_defaults(func=run_prepare)
-
-    curate = commands.add_parser(
-        "curate", help="embed, cluster and quality-bucket a prepared dataset into mixture "
-        "cells (adds DIR/cells and meta.json's 'cells'; the source streams are unchanged)")
-    curate.add_argument("dir", help="a dataset directory written by `moelab data prepare`")
-    curate.add_argument("--embedder", choices=["lexical", "neural"], default="lexical",
-                        help="lexical: hashed TF-IDF + SVD; neural: a moelab checkpoint")
-    curate.add_argument("--checkpoint", default=None,
-                        help="neural embedder: a run directory trained on this dataset")
-    curate.add_argument("--dim", type=int_in(2, 4096), default=192,
-                        help="lexical embedding dimensions")
-    curate.add_argument("--clusters", type=int_in(1), default=64, help="K fine k-means clusters")
-    curate.add_argument("--domains", type=int_in(1), default=8,
-                        help="fine clusters merged into this many domains")
-    curate.add_argument("--buckets", type=int_in(1, 100), default=5,
-                        help="quality buckets (quantiles)")
-    curate.add_argument("--sample-docs", type=int_in(1), default=10_000,
-                        help="seeded sample for the lexical fit, k-means and quality cuts")
-    curate.add_argument("--min-cell-fraction", type=float_in(0.0, 1.0), default=0.01,
-                        help="cells with a smaller share of train tokens merge into 'tail'")
-    curate.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
-                        help="draws the sample and seeds k-means")
-    _executor_options(curate)
-    curate.set_defaults(func=run_curate)
-
-    search = commands.add_parser(
-        "mix-search", help="choose mixture weights from small proxy runs and a log-linear "
-        "regression, then validate them against the by-size mixture")
-    search.add_argument("--config", default="tiny",
-                        help="the proxies' model and data (a preset name or a YAML file); "
-                        "its data.path is the dataset searched")
-    search.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. model.d_model=64")
-    search.add_argument("--out", required=True, help="directory for mix_search.json")
-    search.add_argument("--over", choices=["sources", "cells"], default="sources",
-                        help="mix sources, or the cells of `moelab data curate`")
-    search.add_argument("--proxies", type=int_in(1, 100_000), default=24,
-                        help="proxy runs, each on Dirichlet-sampled weights")
-    search.add_argument("--proxy-steps", type=int_in(1), default=40,
-                        help="training steps of each proxy run")
-    search.add_argument("--validate-steps", type=int_in(1), default=None,
-                        help="steps of each validation run (default: --proxy-steps)")
-    search.add_argument("--seeds", type=int_in(1, 1000), default=2,
-                        help="validation seeds per mixture")
-    search.add_argument("--max-epochs", type=float_in(0.0), default=4.0,
-                        help="cap on passes over any component in a validation run")
-    search.add_argument("--target", default=None,
-                        help="minimise this source's held-out loss (default: the mean)")
-    search.add_argument("--holdout", type=int_in(0), default=6,
-                        help="proxies held out to measure the regression's error")
-    search.add_argument("--kl-weight", type=float_in(0.0), default=0.05,
-                        help="penalty on the KL from the by-size weights when optimizing")
-    search.add_argument("--eval-batches", type=int_in(1), default=8,
-                        help="held-out batches per source scoring each run")
-    search.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
-                        help="draws the proxies' weights")
-    search.add_argument("--trust", choices=["none", "proxies"], default="none",
-                        help="proxies: keep each weight at most the largest a proxy gave it "
-                        "(the region the regression saw)")
-    search.add_argument("--reuse-proxies", default=None, metavar="MIX_SEARCH_JSON",
-                        help="take the proxy runs of an earlier search with the same "
-                        "components, --proxies, --proxy-steps and --seed")
-    add_ray_arguments(search, "proxy or validation run")
-    search.set_defaults(func=run_mix_search)
 
     stats = commands.add_parser("stats", help="documents per source and filter, tokens")
     stats.add_argument("dir", help="a dataset directory written by `moelab data prepare`")
@@ -143,7 +84,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sft.set_defaults(func=run_sft_set)
 
 
-def _executor_options(parser: argparse.ArgumentParser) -> None:
+def data_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The subcommands of `moelab data` (registered first), for a part above data that
+    adds its own there (curate)."""
+    data = subparsers.choices["data"]
+    return next(a for a in data._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def executor_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int_in(1), default=None,
                         help="local processes (default: one per CPU)")
     parser.add_argument("--ray", action="store_true",
@@ -180,9 +128,44 @@ def parse_quality(specs: list[str]) -> dict[str, list[float | None]]:
     return thresholds
 
 
+# The options a corpus preset fixes: {prepare()'s keyword: (its argparse dest, its flag)}.
+PRESET_OPTIONS = {"vocab_size": ("vocab_size", "--vocab-size"),
+                  "near_dup_threshold": ("near_dup_threshold", "--near-dup-threshold"),
+                  "val_fraction": ("val_fraction", "--val-fraction"),
+                  "min_chars": ("min_chars", "--min-chars"),
+                  "max_docs_per_source": ("max_docs", "--max-docs"),
+                  "max_chars": ("max_chars", "--max-chars"),
+                  "long_files": ("long_files", "--long-files")}
+CORPUS_PRESET_NAMES = ("ladder",)  # moelab.data.prepare.CORPUS_PRESETS (imported lazily)
+
+
+def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """args with --preset's sources, settings and (unless given) --out filled in; an option
+    that the preset fixes given another value is refused, so a preset's name always means
+    the same settings."""
+    from moelab.config import data_dir
+    from moelab.data.prepare import CORPUS_PRESETS
+
+    preset = CORPUS_PRESETS[args.preset]
+    if args.source or args.sources or args.quality:
+        raise UserError(f"--preset {args.preset} fixes the sources and quality thresholds; "
+                        "drop --source/--sources/--quality, or drop --preset")
+    for key, value in preset["settings"].items():
+        dest, flag = PRESET_OPTIONS[key]
+        if getattr(args, dest) != value:
+            raise UserError(f"--preset {args.preset} fixes {flag} to {value}; drop {flag} "
+                            f"{getattr(args, dest)}, or drop --preset")
+    out = args.out or str(data_dir(preset["path"]))
+    return argparse.Namespace(**{**vars(args), "sources": preset["sources"], "out": out})
+
+
 def run_prepare(args: argparse.Namespace) -> int:
     from moelab.data.prepare import SOURCE_PRESETS, prepare
 
+    if args.preset:
+        args = apply_preset(args)
+    if args.out is None:
+        raise UserError("--out: give the dataset directory to write (or a --preset)")
     if Path(args.out).exists() and not Path(args.out).is_dir():  # before hours of ingest
         raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
     sources = parse_sources(args.source)
@@ -196,48 +179,6 @@ def run_prepare(args: argparse.Namespace) -> int:
             partitions=args.partitions, max_chars=args.max_chars or None,
             long_files=args.long_files, chat_tokens=args.chat_tokens)
     return run_stats(argparse.Namespace(dir=args.out))
-
-
-def run_curate(args: argparse.Namespace) -> int:
-    from moelab.data.curate import curate
-
-    entry = curate(args.dir, args.embedder, args.checkpoint, dim=args.dim,
-                   clusters=args.clusters, domains=args.domains, buckets=args.buckets,
-                   sample_docs=args.sample_docs, min_cell_fraction=args.min_cell_fraction,
-                   seed=args.seed, workers=args.workers, use_ray=args.ray)
-    report = entry["report"]
-    print(f"{report['documents']} documents -> {report['fine_clusters']} fine clusters -> "
-          f"{report['domains']} domains (size ratio {report['domain_size_ratio']}, purity "
-          f"{report['purity']}, NMI {report['nmi']}) -> {len(entry['cells'])} cells")
-    print("  seconds: " + ", ".join(f"{stage} {s:.1f}" for stage, s in entry["seconds"].items()))
-    for domain in report["per_domain"]:
-        print(f"  {domain['domain']}  {domain['documents']:>6} docs  "
-              f"{domain['majority_source']} {domain['majority_share']}  "
-              f"{' '.join(domain['top_terms'][:6])}")
-    for name, cell in entry["cells"].items():
-        print(f"  cell:{name}  train_tokens {cell['train_tokens']}  docs {cell['documents']}")
-    return 0
-
-
-def run_mix_search(args: argparse.Namespace) -> int:
-    from moelab.config import load_config
-    from moelab.data.mixsearch import mix_search
-    from moelab.train.cli import config_path, parse_overrides
-
-    cfg = load_config(config_path(args.config), parse_overrides(args.set))
-    result = mix_search(cfg, args.out, args.over, args.proxies, args.proxy_steps,
-                        args.validate_steps, args.seeds, args.max_epochs, args.target,
-                        args.holdout, args.kl_weight, args.eval_batches, args.seed,
-                        args.ray, args.cpus_per_run, trust=args.trust,
-                        reuse=args.reuse_proxies, **ray_options(args))
-    reg = result["regression"]
-    print(f"regression held-out MAE {reg['holdout_mae']:.4f} (max {reg['holdout_max_error']:.4f})")
-    print("chosen: " + ", ".join(f"{k} {v:.3f}" for k, v in result["chosen_weights"].items()))
-    print(f"predicted {result['predicted_loss']:.4f}  measured {result['measured_loss']:.4f} "
-          f"+- {result['measured_loss_sd']:.4f}  by-size {result['baseline_loss']:.4f} +- "
-          f"{result['baseline_loss_sd']:.4f}  beats by-size beyond seed noise: "
-          f"{result['beats_baseline_beyond_noise']}")
-    return 0
 
 
 def run_stats(args: argparse.Namespace) -> int:

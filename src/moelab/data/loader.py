@@ -287,7 +287,7 @@ def apportion(weights: np.ndarray, rows: int) -> np.ndarray:
 
 
 class StagedLoader(Batches):
-    """The train batches of a staged run (`train/plan.py`): each stage's rows are drawn
+    """The train batches of a staged run (`config/plan.py`): each stage's rows are drawn
     exactly as its plan says, and each source is read without replacement across stages.
 
     A stage of R rows (steps x its batch size) gets `apportion(weights, R)` rows of each

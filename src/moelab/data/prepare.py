@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from moelab.config import data_dir
 from moelab.data import quality, stages
 from moelab.data.chat import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE
 from moelab.data.dedup import MAX_THRESHOLD, NUM_PERM, SHINGLE_WORDS, lsh_bands
@@ -79,6 +80,30 @@ INSTALLED_SOURCES: dict[str, list[str]] = {
                 for name in ("*.md", "*.rst", "*.txt", "METADATA")), "!*.html"],
 }
 SOURCE_PRESETS = {"default": DEFAULT_SOURCES, "installed": INSTALLED_SOURCES}
+# Named corpora (`moelab data prepare --preset NAME`): every setting that shapes the bytes
+# fixed, so one machine's files always give the same dataset (its content_sha256 names it),
+# and a data.path where specs find it (under $MOELAB_HOME, see config.data_dir).
+# "ladder": the default sources without the per-source cap of `moelab train`'s corpus, long
+# files split: ~35M train tokens on the developers' machine (2026-12-05) against the default
+# corpus's 1.8M, so the held-out ladder targets (configs/ladder/heldout/) stay under one pass
+# over each source. Its settings are the command's defaults with --sources default.
+CORPUS_PRESETS: dict[str, dict] = {
+    "ladder": {"path": "runs/data/ladder", "sources": "default",
+               "settings": {"vocab_size": 4096, "near_dup_threshold": 0.8, "val_fraction": 0.05,
+                            "min_chars": 200, "max_docs_per_source": None,
+                            "max_chars": 1_000_000, "long_files": "split"}},
+}
+
+
+def check_preset_prepared(path: str) -> None:
+    """A data.path naming a corpus preset that is not prepared: a UserError saying the
+    command that prepares it (nothing for any other path)."""
+    name = next((n for n, p in CORPUS_PRESETS.items() if p["path"] == path), None)
+    if name and not (data_dir(path) / META_FILE).is_file():
+        raise UserError(f"data.path: {path} is the {name} corpus, not prepared yet at "
+                        f"{data_dir(path)}; run `moelab data prepare --preset {name}` once")
+
+
 # Caps that keep ensure_default_corpus near 15 s on two cores (`moelab train` with no
 # arguments calls it): about 2.5M tokens, plenty for the small models of the lab.
 DEFAULT_MAX_DOCS = 400

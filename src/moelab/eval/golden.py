@@ -123,7 +123,7 @@ def write_golden(model, cfg, inputs: list[np.ndarray], path: Path) -> dict[str, 
     import jax
     import jax.numpy as jnp
 
-    from moelab.export.generate import with_dropless_dispatch
+    from moelab.model.transformer import with_dropless_dispatch
 
     model = with_dropless_dispatch(model)
     # One compiled forward: every input padded at the end to the longest. The model is

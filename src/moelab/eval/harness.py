@@ -102,7 +102,7 @@ def model_logits_fn(model, dtype: str = "float32") -> LogitsFn:
     import equinox as eqx
     import jax.numpy as jnp
 
-    from moelab.export.generate import with_dropless_dispatch
+    from moelab.model.transformer import with_dropless_dispatch
     from moelab.train.step import cast_floats
 
     model = cast_floats(with_dropless_dispatch(model), jnp.dtype(dtype))
@@ -147,7 +147,7 @@ def gold_bpb(lm, jsonl: Path) -> float:
     task: a smooth downstream score that does not sit at chance for small models."""
     import json
 
-    from moelab.eval.bpb import bits_per_byte
+    from moelab.train.bpb import bits_per_byte
 
     class _Request:  # the one field of lm_eval's Instance the adapter reads
         def __init__(self, args: tuple[str, str]):

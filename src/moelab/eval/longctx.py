@@ -169,11 +169,11 @@ def pooled_gain(rows: list[dict[str, Any]]) -> tuple[float, float]:
 
 def short_context_loss(model, data_dir: str | Path, length: int) -> dict[str, float]:
     """Mean CE over every non-overlapping length-token window of each source's val split."""
-    from moelab.ladder.evaluate import windows
+    from moelab.eval.bpb import val_windows
 
     out = {}
     for source in held_out(data_dir):
-        rows = windows(data_dir, source, length)
+        rows = val_windows(data_dir, source, length)
         if len(rows):
             out[source] = float(_score(model, rows)[0].mean())
     out["mean"] = float(np.mean(list(out.values())))
@@ -184,7 +184,7 @@ def evaluate(model, data_dir: str | Path, original: int, max_multiple: int = MUL
              trials: int = TRIALS, seed: int = 0) -> dict[str, Any]:
     """All three probes for a model whose original (pre-extension) context is `original`."""
     from moelab.data.tokenizer import load_tokenizer
-    from moelab.export.generate import with_dropless_dispatch
+    from moelab.model.transformer import with_dropless_dispatch
 
     model = with_dropless_dispatch(model)
     docs = held_out(data_dir)

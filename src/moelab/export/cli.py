@@ -103,6 +103,7 @@ def _export_run(model, cfg, out: Path) -> Path:
 def _export(args: argparse.Namespace) -> None:
     from moelab.errors import UserError
     from moelab.export.hf import check_exportable
+    from moelab.model.dispatch import entry_of
 
     if args.run_dir is None or args.out is None:
         raise UserError("export needs --run-dir DIR and --out HFDIR (or `moelab export verify "
@@ -110,7 +111,7 @@ def _export(args: argparse.Namespace) -> None:
 
     model, cfg, step = _load(args.run_dir)
     check_exportable(cfg)  # before the tokenizer is looked for
-    if cfg.moe.dispatch != "dropless":
+    if entry_of(cfg.moe).drops:
         print(f"note: trained with moe.dispatch={cfg.moe.dispatch}; the export (like "
               "`moelab generate`) computes every expert assignment, dropping none",
               file=sys.stderr)

@@ -12,7 +12,7 @@ not do. That is also the function the Hugging Face export computes.
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -23,21 +23,10 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from moelab.config import Config, ConfigError
 from moelab.model import Transformer
-from moelab.model.moe import MoE
+from moelab.model.transformer import with_dropless_dispatch
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-
-def with_dropless_dispatch(model: Transformer, block_size: int | None = None) -> Transformer:
-    """The same weights, routed with dropless dispatch (block_size: the CPU kernel's rows
-    per block; None keeps the model's)."""
-    moe = next((b.ffn.moe for b in model.blocks if isinstance(b.ffn, MoE)), None)
-    if moe is None:
-        return model  # all layers dense
-    moe = dataclasses.replace(moe, dispatch="dropless", block_size=block_size or moe.block_size)
-    skeleton = eqx.filter_eval_shape(Transformer.init, model.cfg, moe, jax.random.key(0))
-    return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
@@ -123,11 +112,26 @@ def generate(
 ) -> list[int]:
     """The new token ids after prompt_ids (greedy when temperature is 0); stops after
     eos_id if given. The same seed gives the same tokens."""
+    return list(iter_generate(model, prompt_ids, max_new_tokens, temperature, top_p, seed,
+                              eos_id))
+
+
+def iter_generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> Iterator[int]:
+    """`generate`'s tokens one at a time, each as soon as it is picked: a caller that
+    stops iterating (a server whose client went away) stops the decoding."""
     check_sampling(temperature, top_p)
     if not prompt_ids:
         raise ConfigError("prompt: needs at least one token")
     if max_new_tokens <= 0:
-        return []
+        return
     n_prompt = len(prompt_ids)
     padded = np.zeros(_round_up(n_prompt, PROMPT_BUCKET), np.int32)
     padded[:n_prompt] = prompt_ids
@@ -140,14 +144,15 @@ def generate(
                              *settings)
     # One token per step: one-row blocks; the training block size would be mostly padding.
     stepper = with_dropless_dispatch(model, block_size=1)
-    out = [int(token)]
+    last = int(token)
+    yield last
     for i in range(1, max_new_tokens):
-        if out[-1] == eos_id:
-            break
+        if last == eos_id:
+            return
         token, caches = _advance(stepper, caches, token[None], jnp.int32(n_prompt + i - 1),
                                  jnp.int32(1), jax.random.fold_in(key, i), *settings)
-        out.append(int(token))
-    return out
+        last = int(token)
+        yield last
 
 
 def generate_text(

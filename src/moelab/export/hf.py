@@ -71,6 +71,9 @@ def _refusals(cfg: Config) -> list[tuple[str, str, str]]:
             return [("moe.d_ff_shared", f"Glm4Moe's shared expert is a multiple of "
                      f"model.d_ff={m.d_ff} wide, not {d_shared}",
                      "train with a multiple of model.d_ff (or 0)")]
+        if moe.n_experts < 2:
+            return [("moe.n_experts", "Glm4Moe scores its (one) expert group by its two best "
+                     "experts", "train with moe.n_experts >= 2")]
         return []
     out = []  # Qwen3-MoE
     softmax = "Glm4Moe routes with sigmoid only and Qwen3-MoE has no"
@@ -83,6 +86,9 @@ def _refusals(cfg: Config) -> list[tuple[str, str, str]]:
     if moe.routed_scaling != 1.0:
         out.append(("moe.routed_scaling", f"{softmax} routed scaling factor",
                     "train with moe.routed_scaling=1, or moe.router=sigmoid"))
+    if moe.n_group > 1:
+        out.append(("moe.n_group", f"{softmax} group-limited routing",
+                    "train with moe.n_group=1, or moe.router=sigmoid"))
     if not m.qk_norm:
         out.append(("model.qk_norm", "Qwen3-MoE always applies q_norm/k_norm per head",
                     "train with model.qk_norm=true, or moe.router=sigmoid"))
@@ -132,7 +138,7 @@ def hf_config(cfg: Config, eos_token_id: int | None = None) -> dict[str, Any]:
             "n_routed_experts": moe.n_experts,
             "n_shared_experts": (moe.d_ff_shared or m.d_ff) // m.d_ff,
             "routed_scaling_factor": moe.routed_scaling,
-            "n_group": 1, "topk_group": 1,  # no group-limited routing
+            "n_group": moe.n_group, "topk_group": moe.topk_group,  # group-limited top-k
             "first_k_dense_replace": m.n_dense_layers,
             "use_qk_norm": m.qk_norm,
             "num_nextn_predict_layers": 0,

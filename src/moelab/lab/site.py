@@ -249,7 +249,7 @@ def render_compare(store: Store, run_ids: list[str], root: str = "../", head: st
                if len(runs) > 1 else "")
             + html_section("Validation loss and bits per byte per source (last value)",
                            ["metric", *header], val_rows)
-            + html_section("Events (restarts, spikes, config changes)",
+            + html_section("Events (restarts, spikes, overfitting, config changes)",
                            ["run", "step", "kind", "message"], event_rows))
     return html_page(title, body, root, charts=True, head=head)
 

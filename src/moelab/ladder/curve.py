@@ -55,11 +55,10 @@ def schedule_areas(cfg: Config, unique: float | None = None) -> tuple[np.ndarray
     `unique` (the corpus's distinct training tokens) each step's tokens count at what they
     are worth once repeated (REPEAT_DECAY), so S1 at the end is the effective D'."""
     from moelab.train.optimizer import run_schedule
-    from moelab.train.plan import build_plan
 
     steps = cfg.train.steps
     lr = np.asarray(run_schedule(cfg)(np.arange(steps)), float) / cfg.optim.lr
-    plan = build_plan(cfg)
+    plan = cfg.plan
     per_step = np.array([plan.at(i).batch_size * plan.at(i).seq_len for i in range(steps)],
                         float)
     if unique is not None:  # each step's worth: D' after it minus D' before it

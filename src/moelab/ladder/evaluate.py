@@ -24,9 +24,8 @@ import numpy as np
 
 from moelab.config import Config, data_dir
 from moelab.eval.bpb import token_nll_fn, whole_split_evaluator
-from moelab.eval.bpb import val_windows as windows
 
-__all__ = ["make_evaluator", "row_losses_fn", "windows"]
+__all__ = ["make_evaluator", "row_losses_fn"]
 
 
 def row_losses_fn(cfg: Config) -> Callable[[Any, np.ndarray], Any]:

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from moelab.errors import UserError
+from moelab.ladder import misspec
 from moelab.ladder.curve import REPEAT_DECAY, effective_tokens, schedule_areas
 from moelab.ladder.fit import (
     FitError,
@@ -43,7 +45,6 @@ from moelab.ladder.fit import (
 from moelab.ladder.results import METRICS, RunResult
 from moelab.ladder.spec import LadderSpec, Rung
 from moelab.train.metrics import flops_per_token
-from moelab.train.plan import build_plan
 
 GRAD_NORM_LIMIT = 4.0  # the public record's long ladder runs passed it before logit z-loss
 SECONDARY_BOOTSTRAP = 200  # refits for the laws that are not the pre-registered one
@@ -102,7 +103,7 @@ def _target_areas(target: Rung, unique: float | None = None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The target's evaluation steps (as the trainer will score them) and S1, S2 there."""
     t = target.config.train
-    ends = build_plan(target.config).starts()  # a stage's end is evaluated too
+    ends = target.config.plan.starts()  # a stage's end is evaluated too
     steps = sorted({*range(t.eval_every, t.steps + 1, t.eval_every), *ends, t.steps})
     steps = [s for s in steps if s > target.config.optim.warmup_steps]
     s1, s2 = schedule_areas(target.config, unique)
@@ -141,7 +142,9 @@ def forecast(spec: LadderSpec, results: list[RunResult],
                  target.compute)
     laws = _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at)
     laws["curve"] = _curve_law(spec, curve, eval_sd, steps, t_s1, t_s2)
-    law = options.law
+    law = misspec.choose(laws) if options.law == "backtest" else options.law
+    if law != options.law:  # the stage ends follow the law chosen for the final
+        spec = dataclasses.replace(spec, fit=dataclasses.replace(options, law=law))
     if "value" not in laws[law]:
         raise FitError(f"the pre-registered law {law!r} could not be fitted: "
                        f"{laws[law]['skipped']}")
@@ -156,7 +159,16 @@ def forecast(spec: LadderSpec, results: list[RunResult],
            "stability": _stability_forecast(spec, results),
            "lr_check": _lr_check(spec, results, lr_results),
            "fit_options": asdict(options)}
-    if build_plan(target.config).staged:
+    if options.misspecification:
+        out["law_choice"] = {
+            "rule": ("the smallest misspecification rate in the rungs' extrapolating backtests"
+                     if options.law == "backtest" else "named by fit.law"),
+            "rates": {k: v["misspecification"].get("rate_per_ln_compute")
+                      for k, v in laws.items() if "misspecification" in v},
+            "chosen": law}
+        out["coverage"] = chosen.get("misspecification", {}).get("coverage")
+        out["prediction"]["laws_disagree"] = misspec.disagreement(laws, law)
+    if target.config.plan.staged:
         out["stages"] = _stage_forecasts(spec, results, laws, unique,
                                          dict(zip(steps.tolist(), t_s1.tolist(), strict=True)))
         if options.stage_gain:  # the chain of stage gains is the final prediction
@@ -177,8 +189,8 @@ def _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at) -> dict[st
     laws: dict[str, Any] = {}
 
     def samples(name: str) -> int:
-        return options.bootstrap if name == options.law else min(options.bootstrap,
-                                                                 SECONDARY_BOOTSTRAP)
+        return options.bootstrap if options.law in (name, "backtest") else min(
+            options.bootstrap, SECONDARY_BOOTSTRAP)
 
     def bootstrap(name: str, refit, fitted, sd, value) -> dict:
         return parametric_interval(refit, fitted, sd, seed_sd, value, samples(name),
@@ -197,6 +209,12 @@ def _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at) -> dict[st
                                   float(nd.predict(tn, td))),
             "backtest": _backtest(levels, y, lambda m: fit_chinchilla(
                 n[m], d[m], y[m], start).predict(n[~m], d[~m]))}
+        if options.misspecification:
+            top = np.log(c[levels == levels.max()]).mean()
+            misspec.widen(laws["chinchilla"],
+                          misspec.extrapolations(laws["chinchilla"]["backtest"], levels, c),
+                          float(np.log(tc) - top), options.confidence,
+                          float(seed_sd / np.mean(y)))
     except FitError as err:
         laws["chinchilla"] = {"skipped": str(err)}
     try:
@@ -221,8 +239,8 @@ def _curve_law(spec: LadderSpec, curve: dict[str, list], eval_sd: float, steps: 
     cn, cs1, cs2, cy = (np.array(curve[k], float) for k in ("n", "s1", "s2", "loss"))
     curve_sd = np.full(len(cy), eval_sd) / np.sqrt([len(g) for g in curve["groups"]])
     curve_levels = compute_levels(np.array(curve["level"]))
-    samples = options.bootstrap if options.law == "curve" else min(options.bootstrap,
-                                                                   SECONDARY_BOOTSTRAP)
+    samples = options.bootstrap if options.law in ("curve", "backtest") else min(
+        options.bootstrap, SECONDARY_BOOTSTRAP)
     try:
         cf = fit_curve(cn, cs1, cs2, cy, form=form)
         cstart = curve_theta(cf)
@@ -234,7 +252,7 @@ def _curve_law(spec: LadderSpec, curve: dict[str, list], eval_sd: float, steps: 
         band = _curve_band(_safe(curve_refit), cf.predict(cn, cs1, cs2), curve_sd, eval_sd,
                            samples, options.confidence, options.seed)
         per_step = target.config.data.batch_size * target.config.data.seq_len
-        return {
+        law = {
             "fit": cf.to_dict(), "value": float(path[-1]),
             "interval": {"low": min(float(band[0][-1]), float(path[-1])),
                          "high": max(float(band[1][-1]), float(path[-1])),
@@ -250,6 +268,13 @@ def _curve_law(spec: LadderSpec, curve: dict[str, list], eval_sd: float, steps: 
                 cn[m], cs1[m], cs2[m], cy[m], cstart, form).predict(cn[~m], cs1[~m], cs2[~m])),
             "extrapolation": {**_curve_reach(cn, cs1, cs2, cy, cstart, t_s1, t_s2, form),
                               "epochs": _epochs(spec)}}
+        if options.misspecification:
+            levels_c = np.array(curve["level"])
+            top = np.log(levels_c[curve_levels == curve_levels.max()]).mean()
+            misspec.widen(law, misspec.extrapolations(law["backtest"], curve_levels, levels_c),
+                          float(np.log(target.compute) - top), options.confidence,
+                          float(eval_sd / np.mean(cy)))
+        return law
     except FitError as err:
         return {"skipped": str(err)}
 
@@ -294,7 +319,7 @@ def _repetition(spec: LadderSpec, unique: float | None) -> dict[str, Any]:
 
 def stage_ends(rung: Rung) -> list[tuple[int, str, int, int]]:
     """(index, name, end step, tokens trained by then) of each stage of a run's plan."""
-    plan = build_plan(rung.config)
+    plan = rung.config.plan
     tokens = np.cumsum([0] + [plan.at(i).batch_size * plan.at(i).seq_len
                               for i in range(rung.config.train.steps)])
     return [(s.index, s.name, s.end, int(tokens[s.end])) for s in plan.stages]

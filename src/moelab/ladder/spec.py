@@ -6,7 +6,7 @@ A spec is YAML:
     out: runs/ladder/default      # optional; default: runs/ladder/<name>
     base: {data: ..., optim: ...} # a partial config applied to every rung and the target
                                   # (with `stages:`, every run runs that plan at the same
-                                  # fractions of its steps; see moelab.train.plan)
+                                  # fractions of its steps; see moelab.config.plan)
     seeds: [1, 2, 3]              # optional: every rung is trained once per seed
     evals: 10                     # optional: scored on the whole val split every 1/evals
     rungs:
@@ -43,7 +43,6 @@ from moelab.ladder.fit import CURVE_FORMS
 from moelab.schema import brief, read_yaml
 from moelab.train.metrics import active_params, flops_per_token, total_params
 from moelab.train.optimizer import width_factor
-from moelab.train.plan import build_plan
 
 MIN_POINTS = 3  # L(C) has three parameters; more points leave residuals to check it by
 MIN_TARGET_RATIO = 8.0  # the target's compute over the largest rung's, at least
@@ -58,7 +57,9 @@ class FitOptions:
     confidence: float = 0.9  # two-sided coverage of the interval
     seed: int = 0  # of the bootstrap's resampling
     noise_sd: float | None = None  # per-run seed sd (nats) when the spec has no replicates
-    law: str = "chinchilla"  # whose value is the prediction: chinchilla | compute | curve
+    # whose value is the prediction: chinchilla | compute | curve | backtest (the law with
+    # the smallest extrapolation error in the rungs' backtests; needs misspecification)
+    law: str = "chinchilla"
     # the whole-curve law's form (moelab.ladder.curve): "q" (chosen by the rung-only
     # backtests of bench/curve_law_study.py) or "tissue" (Tissue et al. 2024's)
     curve_law: str = "q"
@@ -77,6 +78,16 @@ class FitOptions:
     # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
     # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
     metric: str = "loss"
+    # true: pre-register a target that passes over some source more often than every rung
+    # did (and more than once), a regime the rungs never measured; false: refuse it
+    # (moelab.ladder.repetition)
+    accept_repetition: bool = False
+    # true: every law's interval adds a misspecification term estimated from the ladder's
+    # own extrapolating backtests, scaled by the target's distance past the top compute
+    # level (moelab.ladder.misspec), and the record states the backtests' coverage and
+    # whether the laws disagree by more than the interval; `law: backtest` then picks the
+    # law with the smallest backtest error rate. false: seed noise only (specs before it)
+    misspecification: bool = False
 
 
 @dataclass(frozen=True)
@@ -221,7 +232,7 @@ def _branch_starts(config: Config, branches: list[int], where: str) -> dict[int,
                 f"{start}, which must lie after warmup ({o.warmup_steps}) and inside the "
                 f"rung's stable phase (up to step {stable_end(config)} of {steps}); "
                 "choose shorter branches or a longer rung")
-        plans = (build_plan(config), build_plan(probe))
+        plans = (config.plan, probe.plan)
         before = [[b for b in plan.starts() if b < start] for plan in plans]
         if before[0] != before[1]:
             raise ConfigError(
@@ -285,12 +296,21 @@ def _fit_options(raw: Any) -> FitOptions:
     if options.metric not in ("loss", "bpb_macro"):
         raise ConfigError(f"fit.metric: {options.metric!r} is not one of ['loss', 'bpb_macro']")
     laws = ("chinchilla", "compute", "curve")
-    if options.law not in laws:
-        raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
+    if not isinstance(options.misspecification, bool):
+        raise ConfigError(f"fit.misspecification: must be true or false, got "
+                          f"{options.misspecification!r}")
+    if options.law == "backtest" and not options.misspecification:
+        raise ConfigError("fit.law: backtest chooses by the misspecification backtests; set "
+                          "fit.misspecification: true, or name the law")
+    if options.law not in (*laws, "backtest"):
+        raise ConfigError(f"fit.law: {options.law!r} is not one of {[*laws, 'backtest']}")
     if options.stage_law is not None and options.stage_law not in laws:
         raise ConfigError(f"fit.stage_law: {options.stage_law!r} is not one of {list(laws)}")
     if not isinstance(options.stage_gain, bool):
         raise ConfigError(f"fit.stage_gain: must be true or false, got {options.stage_gain!r}")
+    if not isinstance(options.accept_repetition, bool):
+        raise ConfigError(f"fit.accept_repetition: must be true or false, got "
+                          f"{options.accept_repetition!r}")
     if options.repetition not in ("muennighoff", "none"):
         raise ConfigError(f"fit.repetition: {options.repetition!r} is not one of "
                           "['muennighoff', 'none']")
@@ -397,7 +417,7 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
     validate_compute(rungs, target)
     lr_runs = _lr_runs(raw.get("lr_check"), rungs)
     fit = _fit_options(raw.get("fit"))
-    if fit.stage_gain and not build_plan(target.config).staged:
+    if fit.stage_gain and not target.config.plan.staged:
         raise ConfigError("fit.stage_gain: the plan has one stage, so there is no stage gain "
                           "to fit; add `stages:` to base, or drop stage_gain")
     return LadderSpec(name=name, out=Path(out or raw.get("out") or Path("runs/ladder") / name),
@@ -406,14 +426,16 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
 
 # The ladder presets are the specs in the repository's configs/ladder/ (they name their
 # committed results), found beside the source tree: a checkout installed with `pip install
-# -e .`, as the README's set-up does. A name that is not a file is looked up there.
+# -e .`, as the README's set-up does. A name that is not a file is looked up there, in its
+# dev/ (the specs methods are chosen on) and heldout/ (written before they ran) folders.
 LADDER_PRESETS = Path(__file__).resolve().parents[3] / "configs" / "ladder"
 
 
 def load_spec(path: str | Path, out: str | Path | None = None) -> LadderSpec:
     """A ladder spec from a YAML file or a preset name (`default` is
-    configs/ladder/default.yaml, see LADDER_PRESETS)."""
-    presets = {p.stem: p for p in sorted(LADDER_PRESETS.glob("*.yaml"))}
+    configs/ladder/dev/default.yaml, see LADDER_PRESETS)."""
+    found = [*LADDER_PRESETS.glob("*.yaml"), *LADDER_PRESETS.glob("*/*.yaml")]
+    presets = {p.stem: p for p in sorted(found)}
     path = preset_or_file(path, presets, "ladder spec")
     if not path.is_file():
         raise ConfigError(f"ladder spec {path} does not exist")

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model.attention import Attention, KVCache
+from moelab.model.dispatch import DROPLESS
 from moelab.model.layers import RMSNorm, SwiGLU, linear, normal, rope_angles
 from moelab.model.moe import SAVE_MOE_NAMES, MoE, MoEStats
 
@@ -157,12 +158,23 @@ class Transformer(eqx.Module):
 
 def with_model_config(model: Transformer, cfg: ModelConfig) -> Transformer:
     """The same arrays under another model config that shapes nothing: a stage's RoPE and
-    attention-logit multiplier (train/plan.py's STAGE_MODEL_FIELDS). Both are static fields
+    attention-logit multiplier (config/plan.py's STAGE_MODEL_FIELDS). Both are static fields
     (the model's cfg, each attention's logit_scale), so a jitted step retraces for them."""
     scale = lambda node: (dataclasses.replace(node, logit_scale=cfg.attn_logit_scale)
                           if isinstance(node, Attention) else node)
     model = jax.tree.map(scale, model, is_leaf=lambda node: isinstance(node, Attention))
     return dataclasses.replace(model, cfg=cfg)
+
+
+def with_dropless_dispatch(model: Transformer, block_size: int | None = None) -> Transformer:
+    """The same weights, routed with dropless dispatch (block_size: the CPU kernel's rows
+    per block; None keeps the model's)."""
+    moe = next((b.ffn.moe for b in model.blocks if isinstance(b.ffn, MoE)), None)
+    if moe is None:
+        return model  # all layers dense
+    moe = dataclasses.replace(moe, dispatch=DROPLESS.name, block_size=block_size or moe.block_size)
+    skeleton = eqx.filter_eval_shape(Transformer.init, model.cfg, moe, jax.random.key(0))
+    return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
 
 
 Caches = tuple[KVCache | None, KVCache | None]  # (dense prefix, MoE layers), stacked

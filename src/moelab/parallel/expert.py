@@ -46,6 +46,7 @@ return the outputs the same way.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -59,8 +60,23 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from moelab.config import ConfigError, MoEConfig
-from moelab.model.dispatch import Dispatch, Drops, Experts
-from moelab.model.dispatch.capacity import grouped_dispatch, in_groups, local_experts
+from moelab.model.dispatch import (
+    CAPACITY,
+    DROPLESS,
+    POOLED,
+    POOLED_WAVE,
+    Dispatch,
+    Drops,
+    Experts,
+    entry_of,
+)
+from moelab.model.dispatch.capacity import (
+    capacity_group,
+    grouped_dispatch,
+    in_groups,
+    local_experts,
+    pooled_group,
+)
 from moelab.model.dispatch.dropless import (
     Sorted,
     grouped_experts,
@@ -98,6 +114,9 @@ def expert_parallel(model: eqx.Module, mesh: Mesh, exchange: Exchange = "auto") 
         if is_moe(layer) and layer.moe.n_experts % mesh.shape[AXIS]:
             raise ConfigError(f"mesh.expert: {mesh.shape[AXIS]} must divide "
                               f"moe.n_experts={layer.moe.n_experts}")
+        if is_moe(layer) and entry_of(layer.moe).expert_parallel is None:
+            raise ConfigError(f"mesh.expert: moe.dispatch={layer.moe.dispatch} has no "
+                              "expert-parallel form; set mesh.expert: 1")
     swap = lambda node: with_dispatch(node, dispatch) if is_moe(node) else node
     return jax.tree.map(swap, model, is_leaf=is_moe)
 
@@ -158,21 +177,32 @@ def _local_dispatch(
     exchange: str,
 ) -> tuple[Float[Array, "b S D"], Drops]:
     """One device's part: its b sequences, its E / ep experts; the drop counts are global."""
-    if moe.dispatch == "pooled_wave":
-        return _pooled_wave(x, routing, experts, moe=moe, ep=ep)
+    return entry_of(moe).expert_parallel(x, routing, experts, moe=moe, ep=ep, exchange=exchange)
+
+
+def _grouped(
+    x: Float[Array, "b S D"], routing: Routing, experts: Experts, *, moe: MoEConfig, ep: int,
+    exchange: str, group: Callable[[MoEConfig, int], int],
+) -> tuple[Float[Array, "b S D"], Drops]:
+    """capacity / pooled: capacity groups of `group(moe, b)` local sequences."""
+    per_group = group(moe, x.shape[0])
     if exchange == "ring":
-        return _ring(x, routing, experts, moe=moe, ep=ep)
-    if moe.dispatch == "dropless":
-        exchange_rows = _padded_rows if exchange == "padded" else _ragged_rows
-        compute = partial(exchange_rows, experts=experts, moe=moe, ep=ep)
-        y, dropped = sorted_dispatch(x, routing, compute, moe), Drops.at_expert(0)
-    else:
-        per_group = 1 if moe.dispatch == "capacity" else moe.pool_size or x.shape[0]
-        xg, rg = in_groups(x, routing, per_group)
-        yg, dropped = grouped_dispatch(xg, rg, partial(_exchange_slots, experts=experts, ep=ep),
-                                       moe)
-        y = yg.reshape(x.shape)
-    return y, _psum(dropped, AXES)  # summed over every device
+        return _ring(x, routing, experts, moe=moe, ep=ep, per_group=per_group)
+    xg, rg = in_groups(x, routing, per_group)
+    yg, dropped = grouped_dispatch(xg, rg, partial(_exchange_slots, experts=experts, ep=ep), moe)
+    return yg.reshape(x.shape), _psum(dropped, AXES)  # summed over every device
+
+
+def _sorted(
+    x: Float[Array, "b S D"], routing: Routing, experts: Experts, *, moe: MoEConfig, ep: int,
+    exchange: str,
+) -> tuple[Float[Array, "b S D"], Drops]:
+    """dropless: rows sorted by expert, exchanged padded, ragged or by the ring."""
+    if exchange == "ring":
+        return _ring(x, routing, experts, moe=moe, ep=ep, per_group=None)
+    exchange_rows = _padded_rows if exchange == "padded" else _ragged_rows
+    compute = partial(exchange_rows, experts=experts, moe=moe, ep=ep)
+    return sorted_dispatch(x, routing, compute, moe), _psum(Drops.at_expert(0), AXES)
 
 
 # ------------------------------------------------------------------ capacity / pooled
@@ -273,21 +303,22 @@ def _ragged_rows(
 
 
 def _ring(
-    x: Float[Array, "b S D"], routing: Routing, experts: Experts, *, moe: MoEConfig, ep: int
+    x: Float[Array, "b S D"], routing: Routing, experts: Experts, *, moe: MoEConfig, ep: int,
+    per_group: int | None,
 ) -> tuple[Float[Array, "b S D"], Drops]:
     """All-gather the group's tokens, run local experts on their share, psum-scatter back.
 
-    Capacity groups are the same as under all_to_all (pool_size 0 = one device's batch),
-    so every device of the group counts the same drops: the count is summed over data only.
+    Capacity groups (`per_group` sequences; None: dropless, sorted rows) are the same as
+    under all_to_all (pool_size 0 = one device's batch), so every device of the group
+    counts the same drops: the count is summed over data only.
     """
     gather = lambda a: received(jax.lax.all_gather(a, AXIS, axis=0, tiled=True))
     xs, rs = gather(x), jax.tree.map(gather, routing)
     first = jax.lax.axis_index(AXIS) * (moe.n_experts // ep)  # my first expert
-    if moe.dispatch == "dropless":
+    if per_group is None:
         compute = partial(_local_rows, experts=experts, moe=moe, first=first)
         y, dropped = sorted_dispatch(xs, rs, compute, moe), Drops.at_expert(0)
     else:
-        per_group = 1 if moe.dispatch == "capacity" else moe.pool_size or x.shape[0]
         xg, rg = in_groups(xs, rs, per_group)
         compute = partial(_local_slots, experts=experts, first=first)
         yg, dropped = grouped_dispatch(xg, rg, compute, moe)
@@ -329,9 +360,11 @@ def _local_rows(
 
 
 def _pooled_wave(
-    x: Float[Array, "b S D"], routing: Routing, experts: Experts, *, moe: MoEConfig, ep: int
+    x: Float[Array, "b S D"], routing: Routing, experts: Experts, *, moe: MoEConfig, ep: int,
+    exchange: str,
 ) -> tuple[Float[Array, "b S D"], Drops]:
-    """The pooled-wave rule of moelab.model.dispatch.pooled_wave over the expert group."""
+    """The pooled-wave rule of moelab.model.dispatch.pooled_wave over the expert group (its
+    own all_to_all in waves, whatever `exchange`: the registry's check refuses ring)."""
     b, s_len, d = x.shape
     k, e_loc = moe.top_k, moe.n_experts // ep
     es, ws = routing.experts.reshape(-1, k), routing.weights.reshape(-1, k)
@@ -360,3 +393,10 @@ def _pooled_wave(
     picked = back.at[plan.dst, pos].get(mode="fill", fill_value=0)  # [T, K, D]
     y = jnp.einsum("tk,tkd->td", jnp.where(kept, ws, 0.0).astype(x.dtype), picked)
     return y.reshape(b, s_len, d), _psum(wave_drops(plan.sent, kept, ep * send_cap), AXES)
+
+
+# The built-in dispatches' expert-parallel forms, filled into the registry's entries.
+CAPACITY.expert_parallel = partial(_grouped, group=capacity_group)
+POOLED.expert_parallel = partial(_grouped, group=pooled_group)
+POOLED_WAVE.expert_parallel = _pooled_wave
+DROPLESS.expert_parallel = _sorted

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from moelab.config import Config, config_from_dict, config_to_dict
+from moelab.config.plan import stage_config
 from moelab.errors import DivergenceError, UserError
 from moelab.parallel.mesh import is_tensor  # arrays or their shapes: restore templates
 from moelab.schema import MapOf, Number, SchemaError, brief, check, read_json
-from moelab.train.plan import build_plan, stage_config
 from moelab.train.rundir import CHECKPOINT_DIR, QUARANTINE_DIR
 
 INTEGRITY_FILE = "integrity.json"
@@ -380,7 +380,7 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
         except UserError as err:  # the stored config is part of the checkpoint: damage
             raise SchemaError(ckpt.directory / str(step) / "meta", f"config: {err}") from None
         cfg = config_from_dict({**config_to_dict(cfg), "mesh": {"data": 1, "expert": 1}})
-        cfg = stage_config(cfg, build_plan(cfg).at(max(step - 1, 0)))
+        cfg = stage_config(cfg, cfg.plan.at(max(step - 1, 0)))
         # Shapes only: building a real random model just to overwrite it costs a compile.
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)

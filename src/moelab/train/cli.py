@@ -1,4 +1,5 @@
 """`moelab train`: train (or resume) a run, optionally under a restarting supervisor;
+`moelab upcycle`: a new MoE run from a dense run's checkpoint (train/upcycle.py);
 `moelab checkpoint verify`: check every checkpoint of a run against its integrity record."""
 
 from __future__ import annotations
@@ -44,6 +45,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--weights-only", action="store_true",
                    help="with --from: take the weights only and start a fresh optimizer state")
     p.set_defaults(func=run)
+
+    up = subparsers.add_parser("upcycle", help="a new MoE run from a dense run's checkpoint: "
+                               "every expert a copy of its FFN (plus noise), router fresh")
+    up.add_argument("dense_run", type=Path, metavar="DENSE_RUN",
+                    help="the run dir of a dense run (model.n_dense_layers = n_layers)")
+    up.add_argument("--experts", type=int_in(1, 2**16), required=True, help="moe.n_experts")
+    up.add_argument("--top-k", type=int_in(1, 2**16), required=True, help="moe.top_k")
+    up.add_argument("--out", type=Path, required=True, metavar="RUN_DIR",
+                    help="the new run's directory (must not exist or be empty)")
+    up.add_argument("--step", type=int_in(0, 2**31 - 1),
+                    help="the dense checkpoint to upcycle (default its newest good one)")
+    up.add_argument("--noise", type=float_in(0, 1), default=0.01,
+                    help="std of the noise added to each expert copy, relative to the std "
+                         "of the dense matrix")
+    up.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
+                    help="seed of the router's init and the noise")
+    up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field of the new run's config, e.g. --set train.steps=400")
+    up.set_defaults(func=run_upcycle)
 
     ckpt = subparsers.add_parser("checkpoint", help="inspect a run's checkpoints")
     actions = ckpt.add_subparsers(dest="action", required=True)
@@ -167,6 +187,17 @@ def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
     if args.parent:
         argv += ["--from", args.parent] + (["--weights-only"] if args.weights_only else [])
     return argv + (["--experiment", args.experiment] if args.experiment else [])
+
+
+def run_upcycle(args: argparse.Namespace) -> int:
+    from moelab.train.upcycle import upcycle_run
+
+    config = upcycle_run(args.dense_run, args.out, args.experts, args.top_k, args.step,
+                         args.noise, args.seed, parse_overrides(args.set))
+    print(f"upcycled {args.dense_run} into {args.out} ({args.experts} experts, top-"
+          f"{args.top_k}); train it with:\n  moelab train --config "
+          f"{shlex.quote(str(config))} --run-dir {shlex.quote(str(args.out))}")
+    return EXIT_OK
 
 
 def verify_checkpoints(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
-"""Where a run's metrics and events go: JSONL files in the run dir, and the lab store.
+"""Where a run's metrics and events go: JSONL files in the run dir, and the lab (a sink).
 
 The JSONL files are the run's own record and always written; when the run is attached
-to a lab experiment, every step and event is mirrored into its SQLite store too; a run
+to a lab experiment, every step and event is mirrored into the lab too (train/sink.py); a run
 attached after it trained (`moelab lab attach`, or `--experiment` on a run started
 without it) brings its record so far into the store first.
 """
@@ -12,11 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from moelab.config import config_from_dict, config_to_dict
-from moelab.errors import ConfigError, UserError
-from moelab.schema import read_json
 from moelab.train.metrics import EVENT_SPEC, METRIC_SPEC, JsonlLog
-from moelab.train.rundir import EVENTS_FILE, LAB_RUN_FILE, METRICS_FILE, config_changes
+from moelab.train.rundir import EVENTS_FILE, METRICS_FILE
+from moelab.train.sink import the_lab
 
 
 class RunLog:
@@ -29,8 +27,8 @@ class RunLog:
         of a branch, whose W&B mirror then forks from the parent's."""
         self.metrics = JsonlLog(run_dir / METRICS_FILE, METRIC_SPEC)
         self.events = JsonlLog(run_dir / EVENTS_FILE, EVENT_SPEC)
-        self.store, self.run_id = None, None
-        self._repair()  # before attaching: the store gets the repaired record
+        self.sink, self.run_id = None, None
+        self._repair()  # before attaching: the lab gets the repaired record
         if experiment:
             self._attach(run_dir, experiment, config, snapshot_change, lab, fork)
 
@@ -51,51 +49,31 @@ class RunLog:
     def _attach(self, run_dir: Path, experiment: str, config: dict,
                 snapshot_change: bool | None, lab: Path | None,
                 fork: tuple[Path, int] | None = None) -> None:
-        from moelab.lab.store import Store, default_lab_path
-
-        self.store = Store(lab or default_lab_path())
-        marker = run_dir / LAB_RUN_FILE
-        if marker.exists():
-            self.run_id = read_json(marker, {"run_id": str})["run_id"]
-            return
-        changes = ({} if snapshot_change is None else
-                   snapshot_changes(self.store, experiment, config, snapshot_change))
-        self.run_id = self.store.start_run(experiment, str(run_dir), config,
-                                           self._parent_run(fork))
-        marker.write_text(json.dumps({"run_id": self.run_id, "experiment": experiment}))
-        self.store.import_history(self.run_id, self.metrics.read(), self.events.read())
+        history = lambda: (self.metrics.read(), self.events.read())
+        self.sink, changes = the_lab().attach(run_dir, experiment, config, snapshot_change,
+                                               fork, history, lab)
+        self.run_id = self.sink.run_id
         if changes:
             changed = {k: {"old": a, "new": b} for k, (a, b) in changes.items()}
             self.event(0, "config_change", f"run config differs from experiment {experiment}'s "
                        f"snapshot: {json.dumps(changed)}")
 
-    def _parent_run(self, fork: tuple[Path, int] | None) -> tuple[str, int] | None:
-        """(parent's lab run id, step) when the parent is a run of this same lab file."""
-        if fork is None or not (Path(fork[0]) / LAB_RUN_FILE).exists():
-            return None
-        parent = read_json(Path(fork[0]) / LAB_RUN_FILE, {"run_id": str})["run_id"]
-        try:
-            same = Path(self.store.get_run(parent).run_dir).resolve() == Path(fork[0]).resolve()
-        except UserError:  # attached to another lab file: nothing here to fork from
-            return None
-        return (parent, fork[1]) if same else None
-
     def step(self, step: int, record: dict) -> None:
         self.metrics.write({"step": step, **record})
-        if self.store is not None:
+        if self.sink is not None:
             numbers = {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
-            self.store.log_metrics(self.run_id, step, numbers)
+            self.sink.log_metrics(step, numbers)
 
     def event(self, step: int, kind: str, message: str) -> None:
         self.events.write({"step": step, "kind": kind, "message": message})
-        if self.store is not None:
-            self.store.log_event(self.run_id, step, kind, message)
+        if self.sink is not None:
+            self.sink.log_event(step, kind, message)
 
     def finish(self, status: str, message: str = "") -> None:
         """End the lab run; a run that already ended (a finished run started again, which
         has nothing left to train) keeps its record."""
-        if self.store is not None and self.store.get_run(self.run_id).status == "running":
-            self.store.finish_run(self.run_id, status, message)
+        if self.sink is not None:
+            self.sink.finish(status, message)
 
     def last_record(self, step: int) -> dict:
         """The metrics logged for `step` (a finished run's summary), or {}."""
@@ -106,26 +84,7 @@ class RunLog:
         self.metrics.truncate_after(step)
 
 
-def snapshot_changes(store, experiment: str, config: dict, allow_change: bool) -> dict:
-    """The open-lab rule: a run attached to an experiment runs the config on record.
-    Returns the differences (accepted only with `allow_change`)."""
-    snapshot = config_to_dict(config_from_dict(store.get_experiment(experiment).config))
-    changes = config_changes(snapshot, config)
-    if changes and not allow_change:
-        listed = "; ".join(f"{k}: experiment {a!r}, run {b!r}" for k, (a, b) in
-                           changes.items())
-        raise ConfigError(f"the config differs from experiment {experiment}'s snapshot "
-                          f"({listed}); run its config, or pass --allow-config-change to "
-                          "record the change")
-    return changes
-
-
 def check_snapshot(run_dir: Path, experiment: str, config: dict, allow_change: bool) -> None:
-    """`snapshot_changes` before a start creates anything (read-only; a run dir already
-    attached to the lab is not checked again, as RunLog does not)."""
-    from moelab.lab.store import Store, default_lab_path
-
-    if (Path(run_dir) / LAB_RUN_FILE).exists():
-        return
-    with Store(default_lab_path(), mode="ro") as store:
-        snapshot_changes(store, experiment, config, allow_change)
+    """The experiment's snapshot rule before a start creates anything (read-only; a run dir
+    already attached to the lab is not checked again, as RunLog does not)."""
+    the_lab().check(Path(run_dir), experiment, config, allow_change)

@@ -29,19 +29,28 @@ from moelab.config import (
     config_to_dict,
     data_dir,
 )
-from moelab.data.loader import ConversationLoader, Loader, StagedLoader, read_meta
+from moelab.config.plan import Stage, check_sources, stage_config
+from moelab.data.loader import (
+    ConversationLoader,
+    Loader,
+    StagedLoader,
+    read_meta,
+    source_weights,
+)
+from moelab.data.passes import passes_lines, plan_passes
 from moelab.errors import DivergenceError, Interrupted, UserError
-from moelab.eval.bpb import domain_metrics, tokenizer_bytes
 from moelab.model import Transformer
+from moelab.model.dispatch import check_dispatch
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
+from moelab.train.bpb import LOSS_PREFIX, domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
+from moelab.train.health import DEAD_METRIC, ExpertHealth
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits, keep_freed_memory
 from moelab.train.metrics import mfu
 from moelab.train.optimizer import make_optimizer, run_schedule, trainable, with_schedule_step
-from moelab.train.plan import Stage, build_plan, check_sources, stage_config
 from moelab.train.rundir import (
     CHECKPOINT_DIR,
     LAB_RUN_FILE,
@@ -54,7 +63,12 @@ from moelab.train.rundir import (
     save_config,
 )
 from moelab.train.runlog import RunLog, check_snapshot
-from moelab.train.spikes import SpikeDetector, diverging, plausible_loss_bound
+from moelab.train.spikes import (
+    OverfitDetector,
+    SpikeDetector,
+    diverging,
+    plausible_loss_bound,
+)
 from moelab.train.step import make_eval_step, make_train_step
 
 FAULT_ENV = "MOELAB_FAULT_AT_STEP"  # test hook: SIGKILL this process when reaching that step
@@ -77,6 +91,9 @@ def prepared_data(cfg: Config) -> Path:
                               "rerun the same command to resume it") from None
         print(f"corpus ready: {path}, content sha256 "
               f"{read_meta(path).get('content_sha256', 'unknown')}", flush=True)
+    from moelab.data.prepare import check_preset_prepared
+
+    check_preset_prepared(cfg.data.path)
     here = Path(cfg.data.path)
     if not (path / "meta.json").exists() and (here / "meta.json").exists() and here != path:
         raise ConfigError(f"data.path: {cfg.data.path!r} means {path} (relative paths live "
@@ -127,7 +144,7 @@ class Trainer:
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
         d = cfg.data
-        self.plan = build_plan(cfg)
+        self.plan = cfg.plan
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
                              d.max_epochs or None, cfg.train.steps * d.batch_size * d.seq_len)
         if d.mixture or d.max_epochs:
@@ -138,6 +155,10 @@ class Trainer:
         if d.conversations:  # the plan still sets the LR and optimizer of each stage
             self.loader = ConversationLoader(data_dir, d.conversations, d.seq_len,
                                              d.batch_size, d.seed)
+        else:
+            for line in passes_lines(plan_passes(self.loader.meta, self.plan,
+                                                 d.max_epochs or None)):
+                print(f"train tokens, {line}")
         # val keeps the run's seq_len and batch in every stage: one yardstick for the curve
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
@@ -165,6 +186,8 @@ class Trainer:
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
+        self.overfit = OverfitDetector()
+        self.health = ExpertHealth(t.dead_expert_window)
         permanent = self.plan.starts() if t.keep_stage_checkpoints else []
         self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, permanent=permanent)
         self.log = RunLog(run_dir, experiment, config_to_dict(cfg),
@@ -210,6 +233,10 @@ class Trainer:
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
             self.detectors[name].load_state_dict(state)
+        if "overfit" in meta:  # a checkpoint of an older moelab starts it afresh
+            self.overfit.load_state_dict(meta["overfit"])
+        if "health" in meta:  # checkpoints from before balance health have none
+            self.health.load_state_dict(meta["health"])
         self.log.rewind_to(step)
         self.log.event(step, "resume", f"resumed from checkpoint at step {step}")
         print(f"resumed from checkpoint at step {step}")
@@ -256,7 +283,7 @@ class Trainer:
     def _check_plan_change(self, saved: dict, step: int) -> None:
         """Refuse a resume whose plan changes a stage that has trained (one-line error);
         stages yet to start may change, recorded as a plan_change event."""
-        old = build_plan(config_from_dict(saved))
+        old = config_from_dict(saved).plan
         if not (old.staged or self.plan.staged):
             return  # one implicit stage: train.steps may change (a cooldown branch does)
         changed = old.started_changes(self.plan, step)
@@ -315,7 +342,9 @@ class Trainer:
             self._refuse_save(refused)
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
-                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()}}
+                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
+                 "overfit": self.overfit.state_dict(),
+                 "health": self.health.state_dict()}
         try:
             self.ckpt.save(self.step, self.model, self.opt_state, state)
         except DivergenceError as err:
@@ -456,8 +485,11 @@ class Trainer:
         record = self._record(parts, self.lr(step - 1), tokens_per_s, stage)
         self._check_finite(step, record)
         self._flag_spikes(step, record)
+        self.overfit.step(record["ce"])
+        self._check_health(step, parts, record)
         if evaluate:
             record.update(self.evaluate())
+            self._flag_overfit(step, record, stage)
         self.log.step(step, record)
         return record
 
@@ -497,6 +529,36 @@ class Trainer:
                 self.log.event(step, flag, f"{name} = {record[name]:.4g} flagged as {flag}")
                 record[f"{flag}/{name}"] = 1.0
 
+    def _flag_overfit(self, step: int, record: dict, stage: Stage) -> None:
+        """The train-validation gap (the validation loss weighted as the stage draws its
+        sources, minus the mean training CE since the last evaluation) and an `overfit`
+        event for each source whose validation loss rose over the last evaluations while
+        the training loss fell (spikes.OverfitDetector)."""
+        val = {k.removeprefix(LOSS_PREFIX): v for k, v in record.items()
+               if k.startswith(LOSS_PREFIX)}
+        train, sources = self.overfit.evaluate(val)
+        if train is None:
+            return
+        weights = source_weights(self.loader.meta, stage.mixture)
+        record["train_val_gap"] = sum(w * val[s] for s, w in weights.items() if s in val) - train
+        for source in sources:
+            first, k = self.overfit.history[0], self.overfit.evals  # the span's start
+            message = (f"{LOSS_PREFIX}{source} rose at each of the last {k} evaluations "
+                       f"({first[1][source]:.4g} -> {val[source]:.4g}) while the training "
+                       f"loss fell ({first[0]:.4g} -> {train:.4g}): overfitting")
+            self.log.event(step, "overfit", message)
+            record[f"overfit/{source}"] = 1.0
+
+    def _check_health(self, step: int, parts: dict, record: dict) -> None:
+        """Dead experts per MoE layer (train/health.py), and an event when one dies or
+        revives."""
+        if "tokens_per_expert" not in parts:  # a dense model
+            return
+        for kind, message in self.health.update(parts["tokens_per_expert"]):
+            self.log.event(step, kind, message)
+        for i, dead in enumerate(self.health.dead()):
+            record[f"{DEAD_METRIC}/layer_{i}"] = float(dead)
+
     def _maybe_fault(self) -> None:
         if os.environ.get(FAULT_ENV) == str(self.step):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -532,6 +594,7 @@ def train(cfg: Config, run_dir: str | Path, experiment: str | None = None,
         # start leaves nothing behind. The corpus is prepared outside StopRequest, whose
         # "finish this step" has no step to finish there.
         check_identity(run_dir, cfg, allow_config_change)
+        check_dispatch(cfg)  # its registry entry's mesh checks
         if experiment and match_experiment:
             check_snapshot(run_dir, experiment, config_to_dict(cfg), allow_config_change)
         prepared_data(cfg)

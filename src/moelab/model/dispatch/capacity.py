@@ -89,6 +89,16 @@ def in_groups(x: Array, routing: Routing, sequences_per_group: int):
     return regroup(x), Routing(regroup(routing.experts), regroup(routing.weights))
 
 
+def capacity_group(moe: MoEConfig, batch: int) -> int:
+    """Sequences per capacity group of `capacity`: one."""
+    return 1
+
+
+def pooled_group(moe: MoEConfig, batch: int) -> int:
+    """Sequences per capacity group of `pooled`: pool_size (0 = the whole (local) batch)."""
+    return moe.pool_size or batch
+
+
 def capacity_dispatch(
     x: Float[Array, "B S D"], routing: Routing, experts: Experts, moe: MoEConfig
 ) -> tuple[Float[Array, "B S D"], Drops]:
@@ -100,7 +110,7 @@ def pooled_dispatch(
     x: Float[Array, "B S D"], routing: Routing, experts: Experts, moe: MoEConfig
 ) -> tuple[Float[Array, "B S D"], Drops]:
     """Capacity shared by `pool_size` sequences (0 = the whole batch)."""
-    pool = moe.pool_size or x.shape[0]
+    pool = pooled_group(moe, x.shape[0])
     xg, rg = in_groups(x, routing, pool)
     y, dropped = grouped_dispatch(xg, rg, local_experts(experts), moe)
     return y.reshape(x.shape), dropped

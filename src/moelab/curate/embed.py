@@ -13,7 +13,7 @@ spherical k-means of `cluster` compares documents by cosine similarity.
              nothing under another.
 
 A public embedder (with network) plugs in as a third branch of `curate.embed_shard`
-returning unit vectors for a shard's texts: see README "Curation".
+returning unit vectors for a shard's texts (curate/pipeline.py): see README "Curation".
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def _neural_model(run_dir: str):
     import equinox as eqx
     import jax.numpy as jnp
 
-    from moelab.export.generate import with_dropless_dispatch
     from moelab.model.layers import rope_angles
+    from moelab.model.transformer import with_dropless_dispatch
     from moelab.train.checkpoint import load_latest
 
     model, cfg, _ = load_latest(run_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -20,9 +21,9 @@ from typing import Any, Literal
 
 import yaml
 
+from moelab.config.plan import Plan, StageConfig, build_plan
 from moelab.errors import ConfigError
 from moelab.schema import SchemaError, brief, read_yaml
-from moelab.train.plan import StageConfig, build_plan
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,11 @@ class MoEConfig:
     router: Literal["softmax", "sigmoid"] = "softmax"
     normalize_top_k: bool = True  # renormalize the k selected weights to sum to 1
     routed_scaling: float = 1.0  # multiplies the routed weights (DeepSeek-V3/GLM-4.5 style)
+    # Group-limited top-k (DeepSeek-V3): the experts form n_group equal groups, each scored
+    # by the sum of its two best (biased) scores; only the topk_group best groups' experts
+    # can be chosen. 1 / 1 = every expert eligible (no groups)
+    n_group: int = 1
+    topk_group: int = 1
     # aux_loss: only loss.aux_weight balances. bias_sign / bias_quantile: a per-expert bias,
     # added to the scores for the top-k *selection* only, is updated after every optimizer
     # step from the global batch's expert loads (set loss.aux_weight: 0 for no aux loss).
@@ -103,6 +109,7 @@ class MoEConfig:
     bias_rate_schedule: Literal["constant", "lr_decay"] = "constant"
     shared_expert: bool = False  # an always-on expert beside the routed ones
     d_ff_shared: int = 0  # 0 means d_ff
+    # the names of model/dispatch's registry (tests/test_dispatch.py checks they match)
     dispatch: Literal["capacity", "pooled", "pooled_wave", "dropless"] = "dropless"
     # capacity/pooled: each expert takes ceil(capacity_factor * group_tokens * top_k / n_experts)
     capacity_factor: float = 1.25
@@ -185,8 +192,17 @@ def data_dir(path: str) -> Path:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with decoupled weight decay, an LR schedule and global-norm clipping."""
+    """AdamW (or Muon for the hidden matrices) with decoupled weight decay, an LR schedule
+    and global-norm clipping."""
 
+    # adamw: every trainable array. muon: attention projections and every SwiGLU matrix
+    # (experts, shared expert, dense FFN) get Muon (momentum, then Newton-Schulz
+    # orthogonalisation of each 2-D matrix, scaled by 0.2 sqrt(max(fan_in, fan_out)) so its
+    # RMS matches AdamW's and lr / weight_decay carry over: Moonlight's rule); embedding,
+    # output head, norms and routers keep AdamW (train/optimizer.py)
+    name: Literal["adamw", "muon"] = "adamw"
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the orthogonalised matrices
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per update
     lr: float = 3e-3
     # linear: after warmup, straight down to lr * min_lr_ratio at the last step (Marin)
     schedule: Literal["wsd", "cosine", "linear", "constant"] = "wsd"
@@ -223,6 +239,9 @@ class TrainConfig:
     keep_stage_checkpoints: bool = False
     spike_window: int = 50  # steps in the rolling window of the spike detector
     spike_threshold: float = 6.0  # robust z-score (median/MAD) that flags a spike
+    # an expert that received no token for this many steps in a row counts as dead: the
+    # dead_experts/layer_i metric and an expert_dead (expert_revived) event (train/health.py)
+    dead_expert_window: int = 100
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = a nominal figure per backend
 
 
@@ -259,8 +278,14 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    # pre-training -> mid-training -> ...: what changes at which step (train/plan.py)
+    # pre-training -> mid-training -> ...: what changes at which step (config/plan.py)
     stages: list[StageConfig] = field(default_factory=list)
+
+    @functools.cached_property
+    def plan(self) -> Plan:
+        """The stages resolved to absolute steps, built once per config (validation builds
+        it first, so a config that loaded has a plan that resolves)."""
+        return build_plan(self)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -444,6 +469,8 @@ BOUNDS = {
     "mesh.expert": (">", 0),
     "moe.send_capacity_factor": (">", 0), "moe.waves": (">", 0),
     "moe.routed_scaling": (">", 0), "moe.bias_rate": (">=", 0),
+    "moe.n_group": (">", 0), "moe.topk_group": (">", 0),
+    "optim.muon_ns_steps": (">", 0), "train.dead_expert_window": (">", 0),
     "distributed.num_processes": (">=", 0),
 }
 
@@ -471,6 +498,11 @@ def _validate_numbers(config: Config) -> None:
     _require(0 < moe.quantile_rate <= 1, "moe.quantile_rate", "must be in (0, 1]")
     _require(o.b1 < 1, "optim.b1", f"must be in [0, 1), got {o.b1}")
     _require(o.b2 < 1, "optim.b2", f"must be in [0, 1), got {o.b2}")
+    _require(0 <= o.muon_momentum < 1, "optim.muon_momentum",
+             f"must be in [0, 1), got {o.muon_momentum}")
+    _require(o.name != "muon" or not o.lr_base_width, "optim.lr_base_width",
+             "is muP's Adam rule; optim.name=muon carries lr over widths by its own RMS "
+             "matching (0.2 sqrt(max(fan_in, fan_out))): set optim.lr_base_width=0")
     _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
 
@@ -491,6 +523,7 @@ def validate(config: Config) -> None:
     _require(moe.top_k <= moe.n_experts, "moe.top_k",
              f"{moe.top_k} exceeds moe.n_experts={moe.n_experts}")
     _require(moe.pool_size >= 0, "moe.pool_size", "must be >= 0 (0 = whole batch)")
+    _validate_groups(moe)
     _require(moe.bias_rate_schedule == "constant" or moe.balance != "aux_loss",
              "moe.bias_rate_schedule", "schedules the selection bias's rate, so it needs "
              "moe.balance bias_sign or bias_quantile (aux_loss has no bias)")
@@ -514,7 +547,23 @@ def validate(config: Config) -> None:
              "data.short_len", f"must divide data.seq_len={d.seq_len} and be shorter than it "
              f"(the short windows of data.short_rows), got {d.short_len}")
     _validate_mesh(config)
-    build_plan(config)  # stages: order, ends, mixtures, shapes, LR restarts
+    _ = config.plan  # built once (cached): stages order, ends, mixtures, shapes, LR restarts
+
+
+def _validate_groups(moe: MoEConfig) -> None:
+    """Group-limited top-k: equal groups of at least two experts (a group is scored by its
+    two best), no more top groups than groups, and enough eligible experts for top_k."""
+    _require(moe.n_experts % moe.n_group == 0, "moe.n_group",
+             f"{moe.n_group} must divide moe.n_experts={moe.n_experts} (equal groups)")
+    per_group = moe.n_experts // moe.n_group
+    _require(moe.n_group == 1 or per_group >= 2, "moe.n_group",
+             f"{moe.n_group} groups of {per_group} expert: a group is scored by its two best "
+             "experts, so each needs at least 2; use fewer groups")
+    _require(moe.topk_group <= moe.n_group, "moe.topk_group",
+             f"{moe.topk_group} exceeds moe.n_group={moe.n_group}")
+    _require(moe.top_k <= moe.topk_group * per_group, "moe.top_k",
+             f"{moe.top_k} exceeds the {moe.topk_group * per_group} experts of the "
+             f"moe.topk_group={moe.topk_group} eligible groups; raise moe.topk_group")
 
 
 def _validate_rope(model: ModelConfig, seq_len: int, where: str = "model",
@@ -582,12 +631,7 @@ def _validate_mesh(config: Config) -> None:
     _require(micro % shards == 0, "data.batch_size",
              f"the micro-batch of {micro} sequences must split evenly over "
              f"mesh.data x mesh.fsdp x mesh.expert = {shards} devices")
-    _require(mesh.exchange != "ring" or moe.dispatch != "pooled_wave", "mesh.exchange",
-             "ring does not apply to moe.dispatch=pooled_wave (it has its own all_to_all)")
-    if moe.dispatch == "pooled" and moe.pool_size and shards > 1:
-        local = micro // shards
-        _require(local % moe.pool_size == 0, "moe.pool_size",
-                 f"{moe.pool_size} must divide the per-device batch of {local} sequences")
+    # each dispatch's own mesh checks: its registry entry (model/dispatch), at the trainer's start
 
 
 def capacity(group_tokens: int, moe: MoEConfig) -> int:

@@ -42,8 +42,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from moelab.curate import embed
 from moelab.data import cells as cellmod
-from moelab.data import cluster, embed
+from moelab.data import cluster
 from moelab.data.executor import Executor, RayExecutor
 from moelab.data.loader import META_FILE, SPLITS, read_meta
 from moelab.data.provenance import manifest_shards

@@ -192,7 +192,7 @@ def build_plan(cfg: Config) -> Plan:
                               f"{list(STAGE_MODEL_FIELDS)})")
         seq_len, batch = _shape(stage, cfg, where)
         model = cfg.model
-        if stage.model:  # config.py imports this module, so its checker is imported here
+        if stage.model:  # moelab.config imports this module, so its checker is imported here
             from moelab.config import stage_model
 
             model = stage_model(cfg.model, stage.model, seq_len, where)
