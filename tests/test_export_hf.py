@@ -66,6 +66,20 @@ def test_greedy_generation_matches_transformers(tmp_path):
     assert len(ours) == 32 and ours == theirs
 
 
+def test_a_model_with_mtp_modules_exports_without_them(tmp_path):
+    """transformers' Qwen3-MoE has no multi-token-prediction heads (DeepseekV3 ignores its
+    num_nextn_predict_layers weights): export writes the model alone, every tensor loads
+    (no unexpected ones) and the logits still match."""
+    from moelab.config import MTPConfig
+    from moelab.model.mtp import MTP
+
+    model, cfg = tiny()
+    cfg = dataclasses.replace(cfg, mtp=MTPConfig(depth=1))
+    model = dataclasses.replace(model, mtp=MTP.init(cfg.model, cfg.moe, 1, jax.random.key(3)))
+    hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
+    assert logit_error(model, hf)[1] < 1e-4  # as test_logits_match_transformers
+
+
 def test_tokenizer_loads_offline_with_autotokenizer(tmp_path):
     from moelab.data.tokenizer import EOS, train_tokenizer
 

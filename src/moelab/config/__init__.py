@@ -75,6 +75,14 @@ class ModelConfig:
     # "full" keeps only the layer's input, "save_moe" also keeps the routing and the MoE
     # dispatch/combine results so routing (and expert-parallel exchanges) are not redone.
     remat: Literal["none", "full", "save_moe"] = "none"
+    # Causal attention without a KV cache (training, eval). "dense": query chunks, each
+    # against every key it can see, softmax probabilities materialized (past 512 tokens in
+    # checkpointed 128-query sub-chunks). "chunked": key/value blocks of attention_chunk
+    # positions with an online softmax and a backward that recomputes each block
+    # (model/flash.py): no [S, S] array, memory linear in the sequence. Same numbers up to
+    # float32 summation order. A stage may switch it (stages[i].model).
+    attention_impl: Literal["dense", "chunked"] = "dense"
+    attention_chunk: int = 256  # chunked: query and key positions per block
 
     @property
     def resolved_head_dim(self) -> int:
@@ -138,6 +146,18 @@ class LossConfig:
     seq_aux_weight: float = 0.0
     router_z_weight: float = 1e-3  # mean logsumexp(router_logits)^2
     logit_z_weight: float = 1e-4  # mean logsumexp(output_logits)^2: keeps grad norm flat
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3, sec. 2.2): `depth` sequential modules after the
+    model, module k predicting the token k+1 ahead of each position from module k-1's
+    hidden state and the embedding of the token k ahead (model/mtp.py). Training only:
+    eval, generate and export use the model without them."""
+
+    depth: int = 0  # MTP modules; 0 = off (DeepSeek-V3 trains with 1)
+    # loss += loss_weight * mean_k(CE_k): DeepSeek-V3 uses 0.3, then 0.1 for the last tokens
+    loss_weight: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -273,6 +293,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -449,13 +470,13 @@ BOUNDS = {
     "model.vocab_size": (">", 0), "model.d_model": (">", 0), "model.n_layers": (">", 0),
     "model.n_heads": (">", 0), "model.n_kv_heads": (">", 0), "model.head_dim": (">=", 0),
     "model.d_ff": (">", 0), "model.d_ff_dense": (">=", 0), "model.rope_theta": (">", 0),
-    "model.attn_logit_scale": (">", 0),
+    "model.attn_logit_scale": (">", 0), "model.attention_chunk": (">", 0),
     "model.norm_eps": (">", 0), "model.init_std": (">", 0),
     "moe.n_experts": (">", 0), "moe.top_k": (">", 0), "moe.d_ff_shared": (">=", 0),
     "moe.capacity_factor": (">", 0), "moe.block_size": (">", 0),
     "loss.aux_weight": (">=", 0), "loss.router_z_weight": (">=", 0),
     "loss.seq_aux_weight": (">=", 0),
-    "loss.logit_z_weight": (">=", 0),
+    "loss.logit_z_weight": (">=", 0), "mtp.depth": (">=", 0), "mtp.loss_weight": (">=", 0),
     "data.seq_len": (">", 0), "data.batch_size": (">", 0), "data.seed": (">=", 0),
     "optim.lr": (">", 0), "optim.warmup_steps": (">=", 0), "optim.weight_decay": (">=", 0),
     "optim.b1": (">=", 0), "optim.b2": (">=", 0), "optim.eps": (">", 0),
@@ -539,6 +560,9 @@ def validate(config: Config) -> None:
     _require(not d.mixture or sum(d.mixture.values()) > 0, "data.mixture",
              "weights must not all be zero")
     _validate_rope(m, d.seq_len)
+    _require(config.mtp.depth < d.seq_len, "mtp.depth",
+             f"{config.mtp.depth} leaves no position to predict in data.seq_len={d.seq_len} "
+             "tokens; use fewer MTP modules")
     _require(math.isfinite(d.max_epochs) and d.max_epochs >= 0, "data.max_epochs",
              f"must be a finite number >= 0 (0 = no cap), got {d.max_epochs}")
     _require(0 <= d.short_rows <= d.batch_size, "data.short_rows",
@@ -618,6 +642,8 @@ def stage_model(model: ModelConfig, overrides: dict[str, Any], seq_len: int,
         value = getattr(new, name)
         _require(math.isfinite(value) and value > 0, f"{where}.model.{name}",
                  f"must be a finite number > 0, got {value}")
+    _require(0 < new.attention_chunk < INT_LIMIT, f"{where}.model.attention_chunk",
+             f"must be > 0, got {new.attention_chunk}")
     _validate_rope(new, seq_len, f"{where}.model", f"{where}.seq_len")
     return new
 

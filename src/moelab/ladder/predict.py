@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from moelab.data.passes import max_passes
 from moelab.errors import UserError
 from moelab.ladder import misspec
 from moelab.ladder.curve import REPEAT_DECAY, effective_tokens, schedule_areas
@@ -42,6 +43,8 @@ from moelab.ladder.fit import (
     parametric_interval,
     power_law_refit,
 )
+from moelab.ladder.overfit import fit_overfit
+from moelab.ladder.repetition import run_passes
 from moelab.ladder.results import METRICS, RunResult
 from moelab.ladder.spec import LadderSpec, Rung
 from moelab.train.metrics import flops_per_token
@@ -177,7 +180,36 @@ def forecast(spec: LadderSpec, results: list[RunResult],
             out["prediction"] = {**prediction, "value": last["value"], "low": last["low"],
                                  "high": last["high"], "law": "gain", "at_bound": [],
                                  "method": laws["gain"]["interval"]["method"]}
+    if options.repetition == "measured":  # the law fitted on the rungs' own repetition
+        laws["repetition"] = measured = _measured_repetition(spec, rows, options.confidence)
+        out["repetition"] = {**out["repetition"], "measured": measured["fit"],
+                             "target_passes": measured["target_passes"]}
+        iv = measured["interval"]
+        out["prediction"] = {**out["prediction"], "value": measured["value"], "low": iv["low"],
+                             "high": iv["high"], "law": "repetition", "at_bound": [],
+                             "method": iv["method"]}
     return out
+
+
+def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], confidence: float
+                         ) -> dict[str, Any]:
+    """fit.repetition: measured. The law that can rise with passes (moelab.ladder.overfit)
+    fitted to every point's (N, D, its largest passes over any source, mean loss), as the
+    rungs' plans draw their corpora; its value and interval at the target, and beside it
+    Muennighoff's decay fitted to the same points (its R* by the published 15.39)."""
+    runs = {r.name: r for r in spec.rungs}
+
+    def most(rung: Rung) -> float:
+        return max(max_passes(run_passes(rung)).values(), default=0.0)
+
+    passes = [most(runs[row["runs"][0]]) for row in rows]
+    fit = fit_overfit([r["active_params"] for r in rows], [r["tokens"] for r in rows],
+                      passes, [r["mean"] for r in rows], confidence)
+    target = spec.target
+    target_passes = most(target)
+    iv = fit.interval(target.active_params, target.tokens, max(target_passes, 1e-9))
+    return {"value": iv["value"], "interval": iv, "fit": {**fit.to_dict(), "passes": passes},
+            "target_passes": target_passes}
 
 
 def _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at) -> dict[str, Any]:

@@ -6,7 +6,10 @@ that passes over some source more often than any rung did would be predicted in 
 the rungs never measured: the published decay (Muennighoff et al., `fit.repetition`)
 makes a repeated token worth less, never worth harm, while a small model on few unique
 tokens overfits and its validation loss rises. So pre-registration refuses such a target
-unless the spec accepts it explicitly (`fit.accept_repetition: true`, recorded).
+unless the spec accepts it explicitly (`fit.accept_repetition: true`, recorded). Rungs
+that repeat the corpus raise what the rungs measured, and
+`fit.repetition: measured` predicts from the law fitted on them (moelab.ladder.overfit);
+it is refused before any rung trains when fewer than two pass counts above 1 are measured.
 
 Passes up to one are not repetition: a target under one pass over every source is never
 refused, however few passes its rungs made.
@@ -57,13 +60,23 @@ def repetition(spec: LadderSpec) -> dict[str, Any]:
     target = max_passes(runs[spec.target.name])
     beyond = sorted(s for s, p in target.items()
                     if p > max(1.0, rungs_max.get(s, 0.0) * (1 + MARGIN)))
+    repeated = sorted({round(max(max_passes(runs[r.name]).values(), default=0.0), 2)
+                       for r in spec.rungs} - {0.0})
     return {"runs": runs, "rungs_max": rungs_max, "target": target,
             "target_max": max(target.values(), default=0.0), "margin": MARGIN,
-            "beyond_rungs": beyond, "accepted": spec.fit.accept_repetition}
+            "beyond_rungs": beyond, "accepted": spec.fit.accept_repetition,
+            "measured": spec.fit.repetition == "measured",
+            "rung_passes": [p for p in repeated if p > 1.0]}
 
 
 def refusal(rep: dict[str, Any]) -> str | None:
     """The one-line reason pre-registration refuses, or None."""
+    if rep.get("measured") and len(rep["rung_passes"]) < 2:
+        return (f"fit.repetition: measured fits the law that can rise with passes on the "
+                f"rungs, but they repeat their data at {len(rep['rung_passes'])} pass "
+                f"count(s) above 1 ({rep['rung_passes']}); add rungs trained for 2 to 16 "
+                "passes over the corpus, or set fit.repetition: "
+                "muennighoff")
     if not rep["beyond_rungs"] or rep["accepted"]:
         return None
     cells = ", ".join(f"{s} {rep['target'][s]:.2f} (rungs at most "

@@ -67,6 +67,9 @@ def build_report(spec: LadderSpec, record: dict[str, Any], actual: RunResult) ->
         # older pre-registrations counted neither (None)
         "corpus": record.get("corpus"),
         "passes": record.get("passes"),
+        # fit.repetition: measured (None otherwise): the rising law's fit, Muennighoff's
+        # decay fitted beside the published R*
+        "repetition_measured": record.get("repetition", {}).get("measured"),
         # fit.misspecification (None before it): the backtests' coverage of their intervals,
         # how the law was chosen, whether the laws disagree by more than the interval
         "coverage": record.get("coverage"),
@@ -119,6 +122,20 @@ def _passes_lines(passes: dict[str, Any] | None, corpus: dict[str, Any] | None) 
             f"corpus {corpus['path']} (content sha256 `{corpus['content_sha256']}`)"]
 
 
+def _repetition_lines(measured: dict[str, Any] | None) -> list[str]:
+    """The measured repetition cost beside the published decay, if the spec measured it."""
+    if not measured:
+        return []
+    iv, m = measured["P_interval"], measured["muennighoff"]
+    decay = (f"Muennighoff's decay fitted to the same rungs: R* {m['r_star']:.3g} "
+             f"(published {m['published_r_star']}), rmse {m['rmse']:.4f}"
+             if "r_star" in m else f"Muennighoff's decay not fitted ({m['skipped']})")
+    return [f"- repetition measured on the rungs ({measured['formula']}): P "
+            f"{measured['P']:.4g} [{iv['low']:.4g}, {iv['high']:.4g}] "
+            f"({measured['confidence']:.0%}), r {measured['r']:.3g}, s {measured['s']:.3g}, "
+            f"rmse {measured['rmse']:.4f}; {decay}"]
+
+
 def _misspec_lines(report: dict[str, Any]) -> list[str]:
     """The law's choice, the backtests' coverage and the laws' disagreement, if recorded."""
     lines = []
@@ -159,6 +176,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"dof, {noise['source']}); {noise['eval_sd']:.4f} per evaluation point",
         f"- target at {report['compute_ratio']:.1f}x the largest rung's compute",
         *_passes_lines(report["passes"], report["corpus"]),
+        *_repetition_lines(report["repetition_measured"]),
         *_misspec_lines(report),
         "", f"Interval: {iv['method']}.", "",
         "| law | predicted | relative error | inside its interval |", "|---|---|---|---|"]

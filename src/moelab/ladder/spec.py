@@ -40,6 +40,7 @@ from typing import Any
 
 from moelab.config import Config, ConfigError, config_from_dict, config_to_dict, preset_or_file
 from moelab.ladder.fit import CURVE_FORMS
+from moelab.ladder.overfit import NAMES as OVERFIT_PARAMS
 from moelab.schema import brief, read_yaml
 from moelab.train.metrics import active_params, flops_per_token, total_params
 from moelab.train.optimizer import width_factor
@@ -47,6 +48,7 @@ from moelab.train.optimizer import width_factor
 MIN_POINTS = 3  # L(C) has three parameters; more points leave residuals to check it by
 MIN_TARGET_RATIO = 8.0  # the target's compute over the largest rung's, at least
 SPEC_KEYS = {"name", "out", "base", "seeds", "evals", "rungs", "target", "lr_check", "fit"}
+REPETITION = ("muennighoff", "none", "measured")  # fit.repetition's values
 RUNG_KEYS = {"name", "seeds", "branches"}  # besides config sections
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a rung's name is its run directory
 
@@ -68,7 +70,10 @@ class FitOptions:
     stage_law: str | None = None
     # repeated data: "muennighoff" counts tokens past one pass over the corpus at what they
     # are worth (moelab.ladder.curve.REPEAT_DECAY) in L(N, D)'s D and the curve law's S1;
-    # "none" counts every token the same
+    # "none" counts every token the same; "measured": the prediction is the law that can
+    # rise with passes (moelab.ladder.overfit), fitted on the rungs themselves, so some rungs
+    # must repeat the target's corpus (trained for 2 to 16 passes over it); the other laws
+    # still count repeats by "muennighoff"
     repetition: str = "muennighoff"
     # true: the end of every stage after the first is the previous stage end's value times
     # one minus the stage's relative loss gain, which every rung measures at the same
@@ -311,9 +316,9 @@ def _fit_options(raw: Any) -> FitOptions:
     if not isinstance(options.accept_repetition, bool):
         raise ConfigError(f"fit.accept_repetition: must be true or false, got "
                           f"{options.accept_repetition!r}")
-    if options.repetition not in ("muennighoff", "none"):
+    if options.repetition not in REPETITION:
         raise ConfigError(f"fit.repetition: {options.repetition!r} is not one of "
-                          "['muennighoff', 'none']")
+                          f"{list(REPETITION)}")
     if options.curve_law not in CURVE_FORMS:
         raise ConfigError(f"fit.curve_law: {options.curve_law!r} is not one of "
                           f"{sorted(CURVE_FORMS)}")
@@ -417,6 +422,17 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
     validate_compute(rungs, target)
     lr_runs = _lr_runs(raw.get("lr_check"), rungs)
     fit = _fit_options(raw.get("fit"))
+    if fit.repetition == "measured" and len(spec_points := {r.point for r in rungs}) < len(
+            OVERFIT_PARAMS):
+        raise ConfigError(f"fit.repetition: measured fits a law of {len(OVERFIT_PARAMS)} "
+                          f"parameters and needs as many rung points, got {len(spec_points)}; "
+                          "add rungs (e.g. one width at 1, 2, 4, 8 and 16 passes over the corpus)")
+    if fit.repetition == "measured" and (paths := sorted(
+            {r.config.data.path for r in rungs} - {target.config.data.path})):
+        raise ConfigError(f"fit.repetition: measured compares the rungs' losses with the "
+                          f"target's, so they must share its corpus ({target.config.data.path}"
+                          f"), but rungs train on {paths}: another corpus has its own "
+                          "tokenizer and val split; repeat data by training longer instead")
     if fit.stage_gain and not target.config.plan.staged:
         raise ConfigError("fit.stage_gain: the plan has one stage, so there is no stage gain "
                           "to fit; add `stages:` to base, or drop stage_gain")

@@ -58,15 +58,19 @@ SHAPE_FIELDS = {
     "model": ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "n_dense_layers", "d_ff_dense", "qk_norm", "tie_embeddings"],
     "moe": ["n_experts", "top_k", "shared_expert", "d_ff_shared"],
+    "mtp": ["depth"],
 }
 
 
 def shape_mismatches(saved: dict, cfg: Config) -> list[str]:
-    now = config_to_dict(cfg)
-    return [f"{section}.{name}: checkpoint {brief(saved[section].get(name))}, "
+    """A field a checkpoint's config lacks (written before the field existed) has its
+    default, as when that config is loaded."""
+    now, default = config_to_dict(cfg), config_to_dict(Config())
+    was = lambda section, name: saved.get(section, {}).get(name, default[section][name])
+    return [f"{section}.{name}: checkpoint {brief(was(section, name))}, "
             f"config {brief(now[section][name])}"
             for section, names in SHAPE_FIELDS.items() for name in names
-            if saved.get(section, {}).get(name) != now[section][name]]
+            if was(section, name) != now[section][name]]
 
 
 # ------------------------------------------------------------------------- integrity
@@ -366,7 +370,7 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
     the stage that trained the checkpoint's last step (`plan.stage_config`): a run whose
     last stage extended the context exports, generates and evaluates with that stage's
     RoPE and seq_len."""
-    from moelab.model import Transformer
+    from moelab.model import init_model
     from moelab.train.optimizer import make_optimizer, trainable
 
     if not (Path(run_dir) / CHECKPOINT_DIR).is_dir():
@@ -384,7 +388,7 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
         # Shapes only: building a real random model just to overwrite it costs a compile.
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
-        model = eqx.filter_eval_shape(Transformer.init, cfg.model, cfg.moe, jax.random.key(0))
+        model = eqx.filter_eval_shape(init_model, cfg, jax.random.key(0))
         model = jax.tree.map(on_device, model)
         optimizer = make_optimizer(cfg.optim, cfg.train.steps, None, cfg.model.d_model)
         opt_state = jax.tree.map(on_device, eqx.filter_eval_shape(

@@ -9,6 +9,8 @@ static structure is a hashable static argument, split off and put back around th
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -38,10 +40,16 @@ def make_loss(cfg: Config):
             segments, positions, mask = packed
         else:
             positions = mask = None
-        logits, stats, _ = cast_floats(model, dtype)(tokens[:, :-1], segments=segments,
-                                                     positions=positions)
+        model = cast_floats(model, dtype)
+        hidden, stats, _ = model.hidden(tokens[:, :-1], segments=segments, positions=positions)
+        logits, mtp_ce = model.logits(hidden), None
+        if model.mtp is not None:  # multi-token prediction (model/mtp.py)
+            with jax.named_scope("mtp"):
+                mtp_ce = model.mtp.cross_entropy(model, hidden, tokens[:, :-1], tokens[:, 1:],
+                                                 segments)
         with jax.named_scope("loss"):
-            return objective(logits, tokens[:, 1:], stats, cfg.loss, mask)
+            return objective(logits, tokens[:, 1:], stats, cfg.loss, mtp_ce,
+                             cfg.mtp.loss_weight, loss_mask=mask)
 
     return loss
 
@@ -134,13 +142,14 @@ class TrainStep:
 
 
 def make_eval_step(cfg: Config):
-    """eval_step(model, batch) -> mean cross-entropy, asynchronous like the train step."""
+    """eval_step(model, batch) -> mean cross-entropy, asynchronous like the train step.
+    The model is evaluated as it is served: without its MTP modules."""
     loss = make_loss(cfg)
     jitted = jax.jit(lambda params, static, batch: loss(eqx.combine(params, static), batch)[1][
         "ce"], static_argnums=1)
 
     def eval_step(model, batch):
-        params, static = eqx.partition(model, eqx.is_array)
+        params, static = eqx.partition(dataclasses.replace(model, mtp=None), eqx.is_array)
         return jitted(params, static, batch)
 
     return eval_step

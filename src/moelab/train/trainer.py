@@ -39,8 +39,9 @@ from moelab.data.loader import (
 )
 from moelab.data.passes import passes_lines, plan_passes
 from moelab.errors import DivergenceError, Interrupted, UserError
-from moelab.model import Transformer
+from moelab.model import Transformer, init_model
 from moelab.model.dispatch import check_dispatch
+from moelab.model.losses import MTP_LOSS_PREFIX
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
@@ -108,8 +109,7 @@ def prepared_data(cfg: Config) -> Path:
 
 def build_model(cfg: Config, mesh):
     """The initial model, each array born on the mesh with its sharding."""
-    model = init_sharded(lambda key: Transformer.init(cfg.model, cfg.moe, key), mesh,
-                         jax.random.key(cfg.train.seed))
+    model = init_sharded(lambda key: init_model(cfg, key), mesh, jax.random.key(cfg.train.seed))
     if cfg.mesh.expert > 1:
         from moelab.parallel.expert import expert_parallel
 
@@ -497,6 +497,7 @@ class Trainer:
         record = {k: float(parts[k]) for k in
                   ("loss", "ce", "aux_loss", "seq_aux_loss", "router_z", "logit_z",
                    "grad_norm")}
+        record.update({k: float(v) for k, v in parts.items() if k.startswith(MTP_LOSS_PREFIX)})
         record.update(lr=float(lr), tokens_per_s=tokens_per_s,
                       mfu=mfu(stage_config(self.cfg, stage), tokens_per_s))
         if self.plan.staged:  # the stage and the mixture it actually draws (normalized)
