@@ -180,6 +180,11 @@ class DataConfig:
     # batch (ProLong's mix; a stage's short_fraction sets both). 0 = none.
     short_rows: int = 0
     short_len: int = 0
+    # A JSONL of OpenAI-format conversations (`moelab data sft-set`), "" = none. Set, the
+    # train batches are these conversations packed into seq_len rows with the loss on the
+    # assistant's tokens (supervised fine-tuning); data.path still names the corpus whose
+    # tokenizer and chat template encode them and whose val split is evaluated.
+    conversations: str = ""
 
 
 HOME_ENV = "MOELAB_HOME"

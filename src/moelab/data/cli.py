@@ -73,6 +73,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats.add_argument("dir", help="a dataset directory written by `moelab data prepare`")
     stats.set_defaults(func=run_stats)
 
+    sft = commands.add_parser(
+        "sft-set", help="question-answer conversations from man pages and stdlib docstrings")
+    sft.add_argument("--out", required=True, help="directory for train.jsonl, val.jsonl and "
+                     "sft_meta.json")
+    sft.add_argument("--val-fraction", type=float_in(0.0, 0.9), default=0.1,
+                     help="share of the questions held out (chosen by each question's hash)")
+    sft.add_argument("--max-examples", type=int_in(1), default=None,
+                     help="keep this many questions (a hash-ordered sample; default: all)")
+    sft.set_defaults(func=run_sft_set)
+
 
 def data_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """The subcommands of `moelab data` (registered first), for a part above data that
@@ -182,4 +192,15 @@ def run_stats(args: argparse.Namespace) -> int:
     meta = read_meta(args.dir)
     print(stats_table(read_manifest(args.dir), meta))
     print(f"vocab_size {meta['vocab_size']}  eos_id {meta['eos_id']}")
+    return 0
+
+
+def run_sft_set(args: argparse.Namespace) -> int:
+    from moelab.data.sftset import build_sft_set
+
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
+    meta = build_sft_set(args.out, args.val_fraction, args.max_examples)
+    print(f"{args.out}: {meta['examples']['train']} train and {meta['examples']['val']} "
+          f"held-out conversations ({meta['by_kind']})")
     return 0

@@ -118,9 +118,27 @@ def _tokenizer_or_none(data_path: Path):
         return None
 
 
+def _chat_template_or_none(data_path: Path) -> str | None:
+    """The corpus's chat template, or None when it has none (a corpus without chat tokens)."""
+    from moelab.data.chat import CHAT_TEMPLATE_FILE, chat_template_of
+
+    return chat_template_of(data_path) if (data_path / CHAT_TEMPLATE_FILE).is_file() else None
+
+
+def _export_run(model, cfg, out: Path, *, force: bool = False,
+                identity: dict | None = None) -> Path:
+    """export_hf with the run's tokenizer and chat template, when its corpus is there."""
+    from moelab.export.hf import export_hf
+
+    path = data_dir(cfg.data.path)
+    tokenizer = _tokenizer_or_none(path)
+    return export_hf(model, cfg, out, tokenizer, force=force, identity=identity,
+                     chat_template=_chat_template_or_none(path) if tokenizer else None)
+
+
 def _export(args: argparse.Namespace) -> None:
     from moelab.errors import UserError
-    from moelab.export.hf import check_exportable, check_out, export_hf
+    from moelab.export.hf import check_exportable, check_out
     from moelab.model.dispatch import entry_of
 
     if args.out is None:
@@ -135,8 +153,8 @@ def _export(args: argparse.Namespace) -> None:
               file=sys.stderr)
     from moelab.train.checkpoint import checkpoint_identity
 
-    out = export_hf(model, cfg, args.out, _tokenizer_or_none(data_dir(cfg.data.path)),
-                    args.force, checkpoint_identity(args.run_dir, step))
+    out = _export_run(model, cfg, args.out, force=args.force,
+                      identity=checkpoint_identity(args.run_dir, step))
     print(f"exported step {step} of {args.run_dir} to {out}")
 
 
@@ -171,7 +189,7 @@ def _verify(args: argparse.Namespace) -> int:
     from moelab.data.shards import shard_path
     from moelab.errors import EXIT_FAILED, EXIT_OK, UserError
     from moelab.eval import golden as g
-    from moelab.export.hf import check_export, check_exportable, export_hf
+    from moelab.export.hf import check_export, check_exportable
     from moelab.train.checkpoint import checkpoint_identity
 
     if not args.bound > 0 or not args.margin_tol >= 0:
@@ -208,20 +226,23 @@ def _verify(args: argparse.Namespace) -> int:
                      "random tokens")
     inputs = g.fixed_inputs(cfg.data.seq_len, cfg.model.vocab_size, streams)
     outputs.mark(out, "export verify")
+    chat = _chat_prompt(data_dir(cfg.data.path), cfg.data.seq_len)
+    if chat is not None:  # its logits are compared like the others'
+        inputs.append(chat)
     golden = g.write_golden(model, cfg, inputs, out / g.GOLDEN_FILE)
     export_dir = args.export
     if export_dir is None:
         if (out / "hf").exists():
             outputs.remove_ours(out / "hf")  # an earlier verify's export
-        export_dir = export_hf(model, cfg, out / "hf", _tokenizer_or_none(data_dir(cfg.data.path)),
-                               identity=ours)
+        export_dir = _export_run(model, cfg, out / "hf", identity=ours)
+    chat_problem = _chat_ids_differ(export_dir, chat) if chat is not None else None
     verdicts = [g.compare(golden, g.transformers_outputs(export_dir, golden), "transformers",
                           args.bound, args.margin_tol)]
     if changed:
         notes.append(f"changed since moelab export wrote them: {', '.join(changed)}")
     report = {"run_dir": str(args.run_dir), "step": step, "export": str(export_dir),
               "golden": str(out / g.GOLDEN_FILE), "notes": notes, "changed_files": changed,
-              "passed": all(v.passed for v in verdicts) and not changed,
+              "passed": all(v.passed for v in verdicts) and not changed and chat_problem is None,
               "backends": [v.to_dict() for v in verdicts]}
     (out / g.VERIFY_FILE).write_text(json.dumps(report, indent=1) + "\n")
     print(f"export verify: step {step} of {args.run_dir} vs {export_dir}")
@@ -230,6 +251,7 @@ def _verify(args: argparse.Namespace) -> int:
     if not report["passed"]:
         failed = [f"{v.backend}: {'; '.join(v.problems())}" for v in verdicts if not v.passed]
         failed += [f"files changed since export: {', '.join(changed)}"] if changed else []
+        failed += [chat_problem] if chat_problem else []
         print(f"moelab export verify: FAILED: {' | '.join(failed)}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
@@ -265,3 +287,37 @@ def _sources(data_path: str) -> list[str]:
         return list(read_meta(data_path)["sources"])
     except UserError:
         return []
+
+
+# The chat prompt `export verify` adds to its inputs when the corpus has a chat template.
+CHAT_PROBE = [{"role": "system", "content": "Answer in one short sentence."},
+              {"role": "user", "content": "What does the `ls` command do?"}]
+
+
+def _chat_prompt(data_path: Path, seq_len: int):
+    """CHAT_PROBE with the generation prompt, as moelab encodes it (int32, at most seq_len
+    tokens), or None when the corpus has no chat template."""
+    import numpy as np
+
+    from moelab.data.chat import encode_chat
+    from moelab.data.tokenizer import load_tokenizer
+
+    template = _chat_template_or_none(data_path)
+    if template is None:
+        return None
+    ids, _ = encode_chat(load_tokenizer(data_path), CHAT_PROBE, add_generation_prompt=True,
+                         template=template)
+    return np.asarray(ids[:seq_len], np.int32)
+
+
+def _chat_ids_differ(export_dir: Path, chat) -> str | None:
+    """A problem line when the export's `apply_chat_template` encodes CHAT_PROBE otherwise."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(export_dir)).apply_chat_template(
+        CHAT_PROBE, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    if list(ids[:len(chat)]) != chat.tolist():
+        return ("chat template: the export's apply_chat_template gives other token ids than "
+                "moelab's encode_chat for the chat probe")
+    return None
+

@@ -239,8 +239,11 @@ def _check_model_matches(model: Transformer, cfg: Config) -> None:
                             "one given; export the config the checkpoint was trained with")
 
 
-def _tokenizer_files(tokenizer: Tokenizer, cfg: Config) -> tuple[dict[str, str], int | None]:
-    """tokenizer.json plus the config that makes `AutoTokenizer.from_pretrained` load it."""
+def _tokenizer_files(tokenizer: Tokenizer, cfg: Config, chat_template: str | None = None
+                     ) -> tuple[dict[str, str], int | None]:
+    """tokenizer.json plus the config that makes `AutoTokenizer.from_pretrained` load it;
+    with the corpus's chat template, `apply_chat_template` renders as moelab does (its
+    special tokens are in tokenizer.json's added tokens)."""
     from moelab.data.tokenizer import EOS
 
     if tokenizer.get_vocab_size() > cfg.model.vocab_size:
@@ -255,6 +258,12 @@ def _tokenizer_files(tokenizer: Tokenizer, cfg: Config) -> tuple[dict[str, str],
     }
     if eos_id is not None:
         settings["eos_token"] = EOS
+    if chat_template is not None:
+        from moelab.data.chat import SPECIAL_TOKENS, require_chat_tokens
+
+        require_chat_tokens(tokenizer, "export")
+        settings["chat_template"] = chat_template
+        settings["additional_special_tokens"] = list(SPECIAL_TOKENS)
     files = {"tokenizer.json": tokenizer.to_str(),
              "tokenizer_config.json": json.dumps(settings, indent=2)}
     return files, eos_id
@@ -332,8 +341,10 @@ def export_hf(
     tokenizer: Tokenizer | None = None,
     force: bool = False,
     identity: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write `model` (trained with `cfg`) to out_dir as a Qwen3-MoE or Glm4Moe checkpoint.
+    """Write `model` (trained with `cfg`) to out_dir as a Qwen3-MoE or Glm4Moe checkpoint
+    (with the tokenizer, and its chat template when the corpus has one).
 
     out_dir must not exist or be empty, or (with `force`) be an earlier export that moelab
     made (it carries `outputs.MARKER`). Everything is written to a temporary sibling that is
@@ -352,7 +363,8 @@ def export_hf(
     except ImportError as err:
         raise UserError("export needs safetensors: pip install -e '.[export]'") from err
 
-    files, eos_id = _tokenizer_files(tokenizer, cfg) if tokenizer is not None else ({}, None)
+    files, eos_id = (_tokenizer_files(tokenizer, cfg, chat_template) if tokenizer is not None
+                     else ({}, None))
     files["config.json"] = json.dumps(hf_config(cfg, eos_id), indent=2)
     weights = hf_state_dict(model)
 

@@ -32,11 +32,17 @@ def token_cross_entropy(
 
 
 def cross_entropy_terms(
-    logits: Float[Array, "B S V"], targets: Int[Array, "B S"]
+    logits: Float[Array, "B S V"], targets: Int[Array, "B S"],
+    weights: Float[Array, "B S"] | None = None,
 ) -> tuple[Array, Array]:
-    """Mean next-token cross-entropy and mean squared log-normalizer (float32)."""
+    """Mean next-token cross-entropy and mean squared log-normalizer (float32), over the
+    targets whose weight is 1 when `weights` is given (a loss mask: assistant tokens)."""
     ce, lse = token_cross_entropy(logits, targets)
-    return jnp.mean(ce), jnp.mean(lse**2)
+    if weights is None:
+        return jnp.mean(ce), jnp.mean(lse**2)
+    weights = weights.astype(jnp.float32)
+    total = jnp.maximum(weights.sum(), 1.0)  # a batch with no masked-in target: loss 0
+    return (ce * weights).sum() / total, (lse**2 * weights).sum() / total
 
 
 def objective(
@@ -46,11 +52,13 @@ def objective(
     weights: LossConfig,
     mtp_ce: Float[Array, " N"] | None = None,
     mtp_weight: float = 0.0,
+    loss_mask: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Total loss and its parts; per-layer MoE stats are kept for logging. `mtp_ce`: the
     cross-entropy of each multi-token-prediction depth (model/mtp.py), of which
-    mtp_weight * mean is added (mtp.loss_weight)."""
-    ce, logit_z = cross_entropy_terms(logits, targets)
+    mtp_weight * mean is added (mtp.loss_weight). loss_mask [B, S]: only those targets
+    count in the cross-entropy and logit z-loss (None: all)."""
+    ce, logit_z = cross_entropy_terms(logits, targets, loss_mask)
     aux = jnp.mean(stats.aux_loss) if stats is not None else jnp.zeros(())
     seq_aux = jnp.mean(stats.seq_aux_loss) if stats is not None else jnp.zeros(())
     router_z = jnp.mean(stats.router_z) if stats is not None else jnp.zeros(())

@@ -92,10 +92,13 @@ class Transformer(eqx.Module):
         caches: Caches | None = None,
         cache_index: Array | int = 0,
         segments: Int[Array, "B S"] | None = None,
+        positions: Int[Array, "B S"] | None = None,
     ) -> tuple[Float[Array, "B S V"], MoEStats | None, Caches | None]:
         """Logits for every position, per-MoE-layer stats stacked [L_moe], updated caches.
-        `segments` (training, no cache): attention stays within equal ids (`short_segments`)."""
-        x, stats, caches = self.hidden(tokens, caches, cache_index, segments)
+        `segments` (training, no cache): attention stays within equal ids (`short_segments`).
+        `positions`: RoPE positions (packed conversations restart at 0 in each segment);
+        None = 0.. from cache_index."""
+        x, stats, caches = self.hidden(tokens, caches, cache_index, segments, positions)
         return self.logits(x), stats, caches
 
     def hidden(
@@ -104,11 +107,12 @@ class Transformer(eqx.Module):
         caches: Caches | None = None,
         cache_index: Array | int = 0,
         segments: Int[Array, "B S"] | None = None,
+        positions: Int[Array, "B S"] | None = None,
     ) -> tuple[Float[Array, "B S D"], MoEStats | None, Caches | None]:
         """The last layer's output (before the final norm), as `__call__` otherwise."""
         with jax.named_scope("embed"):
             x = self.embed[tokens]
-        cos, sin = self.angles(tokens.shape, cache_index, x.dtype)
+        cos, sin = self.angles(tokens.shape, cache_index, x.dtype, positions)
         dense_cache, moe_cache = caches if caches is not None else (None, None)
         x, _, dense_cache = self._run(self.dense_layers, x, cos, sin, dense_cache, cache_index,
                                       segments)
@@ -123,11 +127,13 @@ class Transformer(eqx.Module):
             head = self.embed.T if self.lm_head is None else self.lm_head
             return linear(x, head).astype(jnp.float32)
 
-    def angles(self, shape: tuple[int, int], cache_index: Array | int,
-               dtype) -> tuple[Array, Array]:
-        """RoPE's cos and sin [B, S, head_dim] for positions cache_index.. of a [B, S] batch."""
+    def angles(self, shape: tuple[int, int], cache_index: Array | int, dtype,
+               positions: Array | None = None) -> tuple[Array, Array]:
+        """RoPE's cos and sin [B, S, head_dim] for positions cache_index.. of a [B, S] batch
+        (or the given positions [B, S]: packed conversations restart in each segment)."""
         b, s = shape
-        positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
         cos, sin = rope_angles(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta,
                                self.cfg.rope)
         return cos.astype(dtype), sin.astype(dtype)

@@ -30,7 +30,13 @@ from moelab.config import (
     data_dir,
 )
 from moelab.config.plan import Stage, check_sources, stage_config
-from moelab.data.loader import Loader, StagedLoader, read_meta, source_weights
+from moelab.data.loader import (
+    ConversationLoader,
+    Loader,
+    StagedLoader,
+    read_meta,
+    source_weights,
+)
 from moelab.data.passes import passes_lines, plan_passes
 from moelab.errors import DivergenceError, Interrupted, UserError
 from moelab.model import Transformer, init_model
@@ -148,8 +154,13 @@ class Trainer:
         if self.plan.staged:
             check_sources(self.plan, self.loader.sources)
             self.loader = StagedLoader(data_dir, self.plan.stages, d.seed)
-        for line in passes_lines(plan_passes(self.loader.meta, self.plan, d.max_epochs or None)):
-            print(f"train tokens, {line}")
+        if d.conversations:  # the plan still sets the LR and optimizer of each stage
+            self.loader = ConversationLoader(data_dir, d.conversations, d.seq_len,
+                                             d.batch_size, d.seed)
+        else:
+            for line in passes_lines(plan_passes(self.loader.meta, self.plan,
+                                                 d.max_epochs or None)):
+                print(f"train tokens, {line}")
         # val keeps the run's seq_len and batch in every stage: one yardstick for the curve
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
@@ -496,6 +507,7 @@ class Trainer:
                       mfu=mfu(stage_config(self.cfg, stage), tokens_per_s))
         if self.plan.staged:  # the stage and the mixture it actually draws (normalized)
             record["stage"] = stage.index
+        if self.plan.staged and isinstance(self.loader, StagedLoader):  # not conversations
             weights = self.loader.weights[stage.index]
             record.update({f"mixture/{s}": float(w) for s, w in
                            zip(self.loader.sources, weights, strict=True)})
