@@ -1,4 +1,4 @@
-"""The staged default ladder (configs/ladder/staged.yaml): each stage's end pre-registered,
+"""The staged default ladder (configs/ladder/dev/staged.yaml): each stage's end pre-registered,
 then scored against the target; the numbers the issue's bar asks for, in one JSON.
 
     python3 bench/ladder_staged.py [--force]     # ~37 min on 2 idle cores

@@ -1,5 +1,5 @@
 """Which form of a stage's loss gain carries from the rungs to the next rung: the rung-only
-backtest that chose `fit.stage_gain`'s form (configs/ladder/staged.yaml version 3).
+backtest that chose `fit.stage_gain`'s form (configs/ladder/dev/staged.yaml version 3).
 
     python3 bench/stage_gain_backtest.py [SPEC.yaml:PREREG.json ...]
 

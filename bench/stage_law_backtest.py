@@ -1,5 +1,5 @@
 """Which law predicts a stage's end from the rungs alone: a rung-only backtest on a
-finished staged ladder (configs/ladder/staged.yaml version 1 chose its stage law by it).
+finished staged ladder (configs/ladder/dev/staged.yaml version 1 chose its stage law by it).
 
     git show e61e049:configs/ladder/staged.yaml > /tmp/staged_v1.yaml   # version 1
     PYTHONPATH=src python bench/stage_law_backtest.py /tmp/staged_v1.yaml

@@ -20,7 +20,7 @@ from moelab.data.loader import Loader, capped, read_meta, resolve_mixture
 from moelab.data.provenance import read_manifest
 from moelab.errors import UserError
 
-pytest.importorskip("faiss", reason="pip install 'moelab[curation]'")
+pytest.importorskip("faiss", reason="pip install -e '.[curation]'")
 SETTINGS = {"clusters": 8, "domains": 3, "buckets": 2, "workers": 1}
 
 

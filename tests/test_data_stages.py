@@ -359,7 +359,7 @@ def test_quality_drops_are_counted_by_rule_and_thresholds_are_configurable(tmp_p
 
 
 def test_real_ray_executor_writes_the_local_executors_bytes(tmp_path):
-    pytest.importorskip("ray.data", reason="ray is not installed: pip install 'moelab[ray]'")
+    pytest.importorskip("ray.data", reason="ray is not installed: pip install -e '.[ray]'")
     import ray
     sources = corpus_with_duplicates(tmp_path)
     prepare(tmp_path / "local", sources, workers=1, shard_docs=8, **SMALL)

@@ -15,6 +15,7 @@ from moelab.errors import UserError
 from moelab.export.generate import generate, nucleus_mask, sample_token
 from moelab.export.hf import check_exportable, export_hf
 from moelab.model import Transformer
+from moelab.outputs import MARKER
 
 # GQA (4 query heads on 2 kv heads), head_dim != d_model / n_heads, QK-norm, one dense
 # first layer of its own width, then two MoE layers; vocab fits a byte-level tokenizer.
@@ -58,6 +59,7 @@ def logits_of(model: Transformer, tokens):
     ("moe", "routed_scaling", 2.0, "moe.routed_scaling"),
     ("model", "qk_norm", False, "model.qk_norm"),
     ("moe", "uniform_routing", True, "moe.uniform_routing"),  # a debug routing
+    ("moe", "n_group", 2, "moe.n_group"),  # groups: Glm4Moe's, and it routes with sigmoid
 ])
 def test_inexpressible_configs_are_refused_by_name_and_write_nothing(
         tmp_path, section, field, value, named):
@@ -90,7 +92,7 @@ def test_export_refuses_a_mismatched_config_a_small_vocab_and_a_full_directory(t
         export_hf(model, cfg, tmp_path / "full")
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     assert sorted(p.name for p in export_hf(model, cfg, tmp_path / "ok").iterdir()) == [
-        "config.json", "model.safetensors"]
+        MARKER, "config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "ok"]  # no temp left
 
 

@@ -66,6 +66,20 @@ def test_greedy_generation_matches_transformers(tmp_path):
     assert len(ours) == 32 and ours == theirs
 
 
+def test_a_model_with_mtp_modules_exports_without_them(tmp_path):
+    """transformers' Qwen3-MoE has no multi-token-prediction heads (DeepseekV3 ignores its
+    num_nextn_predict_layers weights): export writes the model alone, every tensor loads
+    (no unexpected ones) and the logits still match."""
+    from moelab.config import MTPConfig
+    from moelab.model.mtp import MTP
+
+    model, cfg = tiny()
+    cfg = dataclasses.replace(cfg, mtp=MTPConfig(depth=1))
+    model = dataclasses.replace(model, mtp=MTP.init(cfg.model, cfg.moe, 1, jax.random.key(3)))
+    hf = load_hf(export_hf(model, cfg, tmp_path / "hf"))
+    assert logit_error(model, hf)[1] < 1e-4  # as test_logits_match_transformers
+
+
 def test_tokenizer_loads_offline_with_autotokenizer(tmp_path):
     from moelab.data.tokenizer import EOS, train_tokenizer
 
@@ -113,6 +127,30 @@ def test_sigmoid_shared_bias_model_exports_to_glm4moe(tmp_path):
     assert bool(jnp.any(jnp.sort(with_bias.experts) != jnp.sort(without.experts)))
     ours, theirs = greedy_both(model, hf)
     assert len(ours) == 32 and ours == theirs
+
+
+def test_group_limited_routing_exports_to_glm4moe_with_its_groups(tmp_path):
+    """8 experts in 4 groups, 2 groups eligible (DeepSeek-V3's routing at toy size): the
+    config carries n_group / topk_group and the logits match transformers'."""
+    from moelab.model.router import route
+
+    moe = MoEConfig(n_experts=8, top_k=2, router="sigmoid", shared_expert=True,
+                    balance="bias_sign", routed_scaling=2.5, n_group=4, topk_group=2)
+    cfg = Config(model=dataclasses.replace(TINY, qk_norm=False), moe=moe)
+    model = random_model(cfg, seed=4)
+    out = export_hf(model, cfg, tmp_path / "hf")
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert (hf_cfg["n_group"], hf_cfg["topk_group"]) == (4, 2)
+    ours, err = logit_error(model, load_hf(out))
+    print(f"max |logit error| (Glm4Moe, 4 groups, top 2): {err:.2e}")
+    assert np.std(ours) > 0.5 and err < 1e-4  # float32 reordering, as the test above
+    # the groups bind: without them some token picks other experts
+    layer = model.blocks[1].ffn
+    x = jax.random.normal(jax.random.key(3), (1, 64, TINY.d_model))
+    logits = jnp.einsum("bsd,de->bse", x, layer.router)
+    grouped, _ = route(logits, moe, layer.bias)
+    free, _ = route(logits, dataclasses.replace(moe, n_group=1, topk_group=1), layer.bias)
+    assert bool(jnp.any(jnp.sort(grouped.experts) != jnp.sort(free.experts)))
 
 
 # ------------------------------------------------------------ RoPE scaling beyond the context

@@ -76,7 +76,7 @@ def test_a_finished_run_attached_later_shows_its_metrics_in_the_store_and_site(
     assert cli.main(["train", "--config", str(config), "--run-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert f"moelab lab attach {run_dir} --experiment ID" in out  # the next commands
-    assert f"moelab export --run-dir {run_dir}" in out
+    assert f"moelab export {run_dir} --out" in out  # the positional RUN_DIR (issue 45)
     assert re.search(r"step 8/8 loss=\S+ .* eta=0s val code=\d\.\d+ prose=\d\.\d+", out), out
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -125,7 +125,7 @@ def test_a_refused_report_leaves_no_empty_static_folder(tmp_path, monkeypatch, c
                      "tiny"]) == 0
     out = tmp_path / "report"
     assert cli.main(["lab", "--lab", lab, "report", "exp-1", "--out", str(out)]) == 2
-    assert "pip install 'moelab[lab]'" in capsys.readouterr().err
+    assert "pip install -e '.[lab]'" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -12,6 +12,14 @@ every numeric or path argument of the commands. Everything runs through
 traceback. Hypothesis draws the cases from a fixed seed (derandomize), so a run is
 reproducible; the default run is bounded in cases (see FILE_CASES, ARG_CASES and the
 printed count) and the slow variant tries many more.
+
+Surface cases (`surface_case`) reach the commands around training: export, export verify,
+ladder run (spec and out dir), lab attach, eval and generate, each given damaged or foreign
+files, output paths that are files, under files, someone else's, unwritable (simulated:
+tests run as root, where mode bits do not stop writes, so `moelab.outputs.writable` is
+patched) or oddly named, and arguments out of range. Besides "no traceback, a documented
+exit code", each checks that no file outside the command's own output changed. `ladder
+run` stops where training would start (run_ladder is replaced): its checks are the case.
 """
 
 import json
@@ -20,11 +28,12 @@ import re
 import shutil
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
 from conftest import FUZZ_STEPS, copy_runs
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from moelab.cli import main
@@ -35,13 +44,15 @@ from moelab.train.rundir import METRICS_FILE
 
 FILE_CASES, ARG_CASES = 24, 60  # default CI run: ~1 minute of CPU on an idle machine
 SLOW_FILE_CASES, SLOW_ARG_CASES = 60, 200  # about 3x the default run
+SURFACE_CASES, SLOW_SURFACE_CASES = 160, 480  # most are refused before loading a model
 
 # exit codes each command documents (README, errors.py)
 ALLOWED = {"train": {EXIT_OK, EXIT_USER_ERROR, EXIT_DIVERGED},
            "checkpoint": {EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR},
            "generate": {EXIT_OK, EXIT_USER_ERROR}, "export": {EXIT_OK, EXIT_USER_ERROR},
            "data": {EXIT_OK, EXIT_USER_ERROR}, "ladder": {EXIT_OK, EXIT_USER_ERROR},
-           "lab": {EXIT_OK, EXIT_USER_ERROR}}
+           "lab": {EXIT_OK, EXIT_USER_ERROR}, "eval": {EXIT_OK, EXIT_USER_ERROR},
+           "verify": {EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR}}
 MUTATIONS = ("truncate", "flip", "rename_key", "change_type", "swap", "delete")
 COMMANDS = ("train", "train", "verify", "generate", "stats")  # resuming matters most
 
@@ -301,3 +312,219 @@ def test_fuzz_files_and_arguments_long(small_runs, tmp_path, monkeypatch, capfd)
     tally = fuzz(small_runs, tmp_path, monkeypatch, capfd, SLOW_FILE_CASES, SLOW_ARG_CASES)
     report(tally, capfd)
     assert sum(tally.values()) >= (SLOW_FILE_CASES + SLOW_ARG_CASES) // 2
+
+
+# ------------------------------------------------------------------ surfaces around training
+
+SURFACES = ("export", "verify", "ladder", "attach", "eval", "generate")
+OUT_KINDS = ("new", "file", "under_file", "theirs", "ours", "unwritable", "unicode", "long",
+             "dot", "devnull", "default")
+BAD_NUMBERS = ["-1", "0", "nan", "inf", "-inf", "1e308", str(10**30), "abc", "", "3.5"]
+
+
+def snapshot(root: Path, allowed: list[Path]) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file and directory under root outside the allowed outputs."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if not any(
+            here / d == a or a in (here / d).parents for a in allowed)]
+        for name in filenames:
+            path = here / name
+            if not any(path == a or a in path.parents for a in allowed):
+                st = path.lstat()
+                out[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def prepare_surfaces(root: Path, capfd) -> None:
+    """An export of `full` (hf) and of `other` (hf-other), a lab with an experiment, a
+    valid ladder spec, and the paths the output kinds name."""
+    for run, out in (("full", "hf"), ("other", "hf-other")):
+        assert main(["export", run, "--out", out]) == 0
+    assert main(["lab", "--lab", "lab.sqlite", "new", "x", "--hypothesis", "h", "--config",
+                 "config.yaml"]) == 0
+    spec = {"base": yaml.safe_load((root / "config.yaml").read_text()), "seeds": [0, 1],
+            "rungs": [{"name": f"r{d}", "model": {"d_model": d}} for d in (16, 24, 32)],
+            "target": {"name": "big", "model": {"d_model": 32}, "train": {"steps": 400}},
+            "fit": {"law": "compute"}}
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    (root / "afile").write_text("x")
+    (root / "theirs").mkdir()
+    (root / "theirs" / "mine.txt").write_text("keep me")
+    capfd.readouterr()
+
+
+def out_path(root: Path, kind: str) -> Path | None:
+    """An output path of the given kind (None: the command's default)."""
+    return {"new": root / "outs" / "o", "file": root / "afile",
+            "under_file": root / "afile" / "o", "theirs": root / "theirs",
+            "ours": root / "ours", "unwritable": root / "outs" / "o",
+            "unicode": root / "outs" / "ünï cödé ✓", "long": root / "outs" / ("x" * 300),
+            "dot": root, "devnull": Path("/dev/null"), "default": None}[kind]
+
+
+def surface_argv(root: Path, command: str, data) -> tuple[list[str], str, Path]:
+    """(argv, the exit-code key, the run it reads) for one drawn case."""
+    draw = data.draw
+    run = draw(st.sampled_from(["full", "half", "half", "nope", "afile", "data"]), label="run")
+    kind = draw(st.sampled_from(OUT_KINDS), label="out")
+    out = out_path(root, kind)
+    if kind == "ours":
+        shutil.copytree(root / "hf", root / "ours")
+    outs = ["--out", str(out)] if out is not None else []
+    if command == "export":
+        return ["export", run, *outs, *(["--force"] if draw(st.booleans()) else [])], \
+            "export", root / run
+    if command == "verify":
+        export = draw(st.sampled_from(["hf", "hf", "hf-other", "nope", "afile", "theirs"]),
+                      label="export")
+        argv = ["export", "verify", run, "--export", export, *outs]
+        if draw(st.booleans()):
+            argv += [draw(st.sampled_from(["--bound", "--margin-tol"])),
+                     draw(st.sampled_from(BAD_NUMBERS))]
+        return argv, "verify", root / run
+    if command == "ladder":
+        spec = draw(st.sampled_from(["spec.yaml", "spec.yaml", "config.yaml", "afile",
+                                     "nope.yaml", "data"]), label="spec")
+        experiment = draw(st.sampled_from([None, "exp-1", "exp-9"]), label="experiment")
+        return ["ladder", "run", spec, *outs, *(["--experiment", experiment] if experiment
+                                                 else [])], "ladder", root / run
+    if command == "attach":
+        copy = root / "attached"
+        copy.mkdir()
+        for name in ("config.yaml", "metrics.jsonl", "events.jsonl"):
+            if (root / "full" / name).exists():
+                shutil.copy(root / "full" / name, copy / name)
+        experiment = draw(st.sampled_from(["exp-1", "exp-1", "exp-9", ""]))
+        target = draw(st.sampled_from(["attached", "attached", "nope", "afile", "data"]))
+        return ["lab", "--lab", "lab.sqlite", "attach", target, "--experiment", experiment], \
+            "lab", copy
+    if command == "eval":
+        action = draw(st.sampled_from(["bpb", "bpb", "tasks", "longctx"]), label="eval")
+        argv = ["eval", action, run]
+        if action == "longctx":  # a valid longctx is a long evaluation: bad values only
+            option = draw(st.sampled_from(["--trials", "--max-multiple", "--original"]))
+            return argv + [option, draw(st.sampled_from(BAD_NUMBERS[:8])),
+                           *(["--out", str(out)] if out is not None else [])], "eval", \
+                root / run
+        if action == "tasks":  # the harness is slow to import: refused outputs only
+            return argv + ["--out", str(out_path(root, draw(st.sampled_from(
+                ["file", "under_file", "theirs", "dot", "devnull"]))))], "eval", root / run
+        return argv + outs, "eval", root / run
+    prompt = draw(st.sampled_from(["", "def ", b"caf\xe9".decode("utf-8", "surrogateescape"),
+                                   "word " * 60_000, "\u2603" * 50]), label="prompt")
+    argv = ["generate", run, "--prompt", prompt, "--max-new-tokens",
+            draw(st.sampled_from(["1", "2", "0", "-1", "abc", str(10**12), "1e308"]))]
+    if draw(st.booleans()):
+        argv += [draw(st.sampled_from(["--temperature", "--top-p", "--seed"])),
+                 draw(st.sampled_from(BAD_NUMBERS))]
+    return argv, "generate", root / run
+
+
+def surface_targets(root: Path, command: str) -> list[str]:
+    """Files a command's case may find damaged: the inputs it reads."""
+    if command == "verify":
+        return sorted(f"hf/{p.name}" for p in (root / "hf").iterdir())
+    if command == "ladder":
+        return ["spec.yaml"]
+    if command == "attach":
+        return ["attached/config.yaml", "attached/metrics.jsonl", "lab.sqlite"]
+    return [t for t in targets(root) if t.startswith(("half/", "data/"))]
+
+
+def surface_case(root: Path, capfd, data, tally: Counter, backup: Path) -> None:
+    command = data.draw(st.sampled_from(SURFACES), label="command")
+    damaged = None
+    try:
+        argv, key, run = surface_argv(root, command, data)
+        if data.draw(st.booleans(), label="damage"):
+            damaged = data.draw(st.sampled_from(surface_targets(root, command)), label="target")
+            path = root / damaged
+            if path.is_dir():
+                shutil.copytree(path, backup / "saved")
+            elif path.exists():
+                shutil.copy2(path, backup / "saved")
+            mutate(root, damaged, data.draw(st.sampled_from(MUTATIONS), label="mutation"), data)
+        run_surface(root, capfd, data, tally, command, argv, key, run)
+    finally:  # back to the prepared state for the next case
+        if damaged is not None:
+            path = root / damaged
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+            if (backup / "saved").exists():
+                shutil.move(backup / "saved", path)
+        for made in (root / "outs", root / "ours", root / "attached", root / "runs",
+                     *(root / r / o for r in ("full", "half") for o in ("eval", "verify"))):
+            if made.is_dir():
+                shutil.rmtree(made)
+        for run in ("full", "half"):
+            (root / run / "longctx.json").unlink(missing_ok=True)
+
+
+def run_surface(root: Path, capfd, data, tally: Counter, command: str, argv: list[str],
+                key: str, run: Path) -> None:
+    # what the command may write: its --out, its default outputs, the lab, an attached run
+    given = [Path(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a == "--out"]
+    allowed = [*(p if p.is_absolute() else root / p for p in given),
+               run / "eval", run / "verify", run / "longctx.json", root / "attached",
+               root / "lab.sqlite", root / "lab.sqlite-wal", root / "lab.sqlite-shm",
+               root / "lab.sqlite-journal", root / "runs"]
+    before = snapshot(root, allowed)
+    unwritable = str(out_path(root, "unwritable")) in argv and \
+        data.draw(st.booleans(), label="unwritable")
+    with mock.patch("moelab.ladder.runner.run_ladder", lambda *a, **k: {}):
+        if unwritable:
+            with mock.patch("moelab.outputs.writable", lambda path: False):
+                code, _, err = run_cli(capfd, argv)
+        else:
+            code, _, err = run_cli(capfd, argv)
+    check_exit(key, code, err)
+    after = snapshot(root, allowed)
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert not changed, f"{argv[:4]}: changed outside its output: {changed[:5]}"
+    assert (root / "theirs" / "mine.txt").read_text() == "keep me"
+    tally[f"surface {command} -> {code}"] += 1
+
+
+def fuzz_surfaces(small_runs: Path, tmp_path: Path, monkeypatch, capfd, n: int) -> Counter:
+    tally: Counter = Counter()
+    root = copy_runs(small_runs, tmp_path / "surfaces", monkeypatch)
+    monkeypatch.setenv("MOELAB_LAB", str(root / "lab.sqlite"))  # ladder run --experiment's
+    prepare_surfaces(root, capfd)
+    lab = (root / "lab.sqlite").read_bytes()
+    backup = tmp_path / "backup"
+    backup.mkdir()
+
+    # no shrinking: a case costs up to seconds, and the failing draws are printed as drawn
+    @settings(derandomize=True, database=None, deadline=None, print_blob=True,
+              suppress_health_check=list(HealthCheck), max_examples=n,
+              phases=[Phase.explicit, Phase.generate])
+    @given(st.data())
+    def surfaces(data) -> None:
+        os.chdir(root)
+        for stale in root.glob("lab.sqlite*"):  # a fresh lab per case: attach writes it
+            stale.unlink()
+        (root / "lab.sqlite").write_bytes(lab)
+        surface_case(root, capfd, data, tally, backup)
+
+    surfaces()
+    return tally
+
+
+def test_fuzz_surfaces(small_runs, tmp_path, monkeypatch, capfd):
+    tally = fuzz_surfaces(small_runs, tmp_path, monkeypatch, capfd, SURFACE_CASES)
+    report(tally, capfd)
+    assert sum(tally.values()) >= 150  # hypothesis ran them (the issue's bar)
+    for command in SURFACES:  # every command was reached, and some cases succeeded
+        assert any(k.startswith(f"surface {command} ") for k in tally), tally
+    assert sum(v for k, v in tally.items() if k.endswith("-> 0")) > 0, tally
+
+
+@pytest.mark.slow
+def test_fuzz_surfaces_long(small_runs, tmp_path, monkeypatch, capfd):
+    tally = fuzz_surfaces(small_runs, tmp_path, monkeypatch, capfd, SLOW_SURFACE_CASES)
+    report(tally, capfd)
+    assert sum(tally.values()) >= SLOW_SURFACE_CASES // 2

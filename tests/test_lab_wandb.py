@@ -19,7 +19,7 @@ import yaml
 
 from moelab.lab.store import Store
 
-pytest.importorskip("wandb", reason="pip install 'moelab[lab]'")
+pytest.importorskip("wandb", reason="pip install -e '.[lab]'")
 
 
 def no_network_prefix() -> list[str]:

@@ -220,11 +220,12 @@ def test_a_ladder_with_two_compute_levels_is_refused(tmp_path, data, capsys):
 
 
 def test_the_dense_ladder_matches_the_moe_ladder_in_active_params_and_flops():
-    """configs/ladder/dense.yaml: the same runs as default.yaml, each with a dense FFN of the
+    """configs/ladder/dev/dense.yaml: the same runs as default.yaml, each with a dense FFN of the
     MoE's active width. FLOPs per token by the README's formula (PaLM: 6 N_active + 12 L H
     d_head S), counted here by hand from the config: the two differ only by the router's
     d_model x n_experts weights per layer."""
-    dense, moe = load_spec("configs/ladder/dense.yaml"), load_spec("configs/ladder/default.yaml")
+    dense = load_spec("configs/ladder/dev/dense.yaml")
+    moe = load_spec("configs/ladder/dev/default.yaml")
     pairs = list(zip(dense.runs(), moe.runs(), strict=True))
     assert len(pairs) == len(moe.runs()) > 10
     for d, m in pairs:

@@ -8,7 +8,7 @@ import pytest
 from moelab.cli import main
 from moelab.curate.mixsearch import choose, fit_loglinear, predict
 
-pytest.importorskip("sklearn", reason="pip install 'moelab[curation]'")
+pytest.importorskip("sklearn", reason="pip install -e '.[curation]'")
 TRUE = np.array([[1.5, 1.2, 1.4], [1.3, 1.6, 1.2]])  # [sources, components] of log loss
 
 

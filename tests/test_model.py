@@ -179,13 +179,16 @@ def test_chunked_causal_attention_equals_one_masked_softmax(s, chunks):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * float(jnp.abs(r).max()))
 
 
-def test_long_attention_backward_memory_is_linear_in_the_length():
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_long_attention_backward_memory_is_linear_in_the_length(impl):
     """Past SHORT_LIMIT the backward pass keeps q, k, v and recomputes each sub-chunk's
-    probabilities, so XLA's scratch memory for attention fwd+bwd grows ~linearly: doubling
-    2048 -> 4096 tokens doubles it (keeping the S^2/2 triangle of probabilities would
-    quadruple it; measured 3.4x before the sub-chunks). Read from the compiled program's
-    buffer assignment, so it is exact and independent of the machine's load."""
-    cfg = dataclasses.replace(TINY, d_model=128, n_heads=4, n_kv_heads=2)
+    probabilities (chunked: each key block's, model/flash.py), so XLA's scratch memory for
+    attention fwd+bwd grows ~linearly: doubling 2048 -> 4096 tokens doubles it (keeping the
+    S^2/2 triangle of probabilities would quadruple it; measured 3.4x before the
+    sub-chunks). Read from the compiled program's buffer assignment, so it is exact and
+    independent of the machine's load."""
+    cfg = dataclasses.replace(TINY, d_model=128, n_heads=4, n_kv_heads=2, attention_impl=impl,
+                              attention_chunk=128)
     attn = Attention.init(cfg, jax.random.key(0))
 
     def scratch(s):

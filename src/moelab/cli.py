@@ -15,11 +15,12 @@ from moelab import __version__
 from moelab.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
+    EXIT_OK,
     EXIT_USER_ERROR,
     Interrupted,
     UserError,
 )
-from moelab.schema import bounded
+from moelab.schema import bounded, resolve_run_dir
 
 PARTS = [
     "moelab.data.cli",
@@ -29,7 +30,13 @@ PARTS = [
     "moelab.lab.cli",
     "moelab.export.cli",
     "moelab.eval.cli",
+    "moelab.serve.cli",
 ]
+
+
+# OS errors that mean "this path cannot be written", not a bug: one line, exit 2
+PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
+               errno.ENAMETOOLONG)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -70,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        note = resolve_run_dir(args)
+        code = int(args.func(args) or 0)
+        if note and code == EXIT_OK:
+            print(note, file=sys.stderr)
+        return code
     except (UserError, FileNotFoundError) as err:  # ConfigError is a UserError
         # One bounded line: a message may quote a value read from a file of any size.
         print(bounded(f"moelab {args.command}: error: {err}"), file=sys.stderr)
@@ -82,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moelab {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as err:
+        if err.errno in PATH_ERRORS:  # a path the checks could not foresee (a race, a mount)
+            print(bounded(f"moelab {args.command}: error: {err}; choose a path this user "
+                          "may write"), file=sys.stderr)
+            return EXIT_USER_ERROR
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(f"moelab {args.command}: error: {err}; free some space and rerun the same "

@@ -265,3 +265,38 @@ def float_in(low: float, high: float | None = None) -> Callable[[str], float]:
 
 def _range(low: float, high: float | None) -> str:
     return f">= {low}" if high is None else f"between {low} and {high}"
+
+
+# ------------------------------------------------------------------ naming a run
+
+RUN_DIR_HELP = "a training run directory"
+
+
+def add_run_dir(p: argparse.ArgumentParser, required: bool = True, positional: bool = True,
+                help: str = RUN_DIR_HELP) -> None:
+    """The one way every command names a run: a positional RUN_DIR. `--run-dir` stays, for
+    a release, as a deprecated alias (`resolve_run_dir` prints a one-line note)."""
+    if positional:
+        p.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR", help=help)
+    p.add_argument("--run-dir", dest="run_dir_flag", type=Path, metavar="RUN_DIR",
+                   help="deprecated alias of the positional RUN_DIR")
+    p.set_defaults(run_dir=None, run_dir_required=required, run_dir_usage=p.prog)
+
+
+def resolve_run_dir(args: argparse.Namespace) -> str | None:
+    """Set args.run_dir from whichever form named it, refusing a missing or doubly-named
+    run; returns the deprecation note for `--run-dir` (the CLI prints it after a command
+    that succeeded, so an error stays one line), else None."""
+    if not hasattr(args, "run_dir_flag"):
+        return None
+    flag, usage = args.run_dir_flag, args.run_dir_usage
+    note = None
+    if flag is not None:
+        if args.run_dir is not None and Path(args.run_dir) != flag:
+            raise UserError(f"two run directories given ({args.run_dir} and --run-dir "
+                            f"{flag}); pass one: {usage} RUN_DIR")
+        note = f"note: --run-dir is deprecated; name the run first: {usage} {flag} ..."
+        args.run_dir = flag
+    if args.run_dir is None and args.run_dir_required:
+        raise UserError(f"no run directory given; usage: {usage} RUN_DIR [options]")
+    return note

@@ -75,6 +75,14 @@ class ModelConfig:
     # "full" keeps only the layer's input, "save_moe" also keeps the routing and the MoE
     # dispatch/combine results so routing (and expert-parallel exchanges) are not redone.
     remat: Literal["none", "full", "save_moe"] = "none"
+    # Causal attention without a KV cache (training, eval). "dense": query chunks, each
+    # against every key it can see, softmax probabilities materialized (past 512 tokens in
+    # checkpointed 128-query sub-chunks). "chunked": key/value blocks of attention_chunk
+    # positions with an online softmax and a backward that recomputes each block
+    # (model/flash.py): no [S, S] array, memory linear in the sequence. Same numbers up to
+    # float32 summation order. A stage may switch it (stages[i].model).
+    attention_impl: Literal["dense", "chunked"] = "dense"
+    attention_chunk: int = 256  # chunked: query and key positions per block
 
     @property
     def resolved_head_dim(self) -> int:
@@ -90,6 +98,11 @@ class MoEConfig:
     router: Literal["softmax", "sigmoid"] = "softmax"
     normalize_top_k: bool = True  # renormalize the k selected weights to sum to 1
     routed_scaling: float = 1.0  # multiplies the routed weights (DeepSeek-V3/GLM-4.5 style)
+    # Group-limited top-k (DeepSeek-V3): the experts form n_group equal groups, each scored
+    # by the sum of its two best (biased) scores; only the topk_group best groups' experts
+    # can be chosen. 1 / 1 = every expert eligible (no groups)
+    n_group: int = 1
+    topk_group: int = 1
     # aux_loss: only loss.aux_weight balances. bias_sign / bias_quantile: a per-expert bias,
     # added to the scores for the top-k *selection* only, is updated after every optimizer
     # step from the global batch's expert loads (set loss.aux_weight: 0 for no aux loss).
@@ -136,6 +149,18 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3, sec. 2.2): `depth` sequential modules after the
+    model, module k predicting the token k+1 ahead of each position from module k-1's
+    hidden state and the embedding of the token k ahead (model/mtp.py). Training only:
+    eval, generate and export use the model without them."""
+
+    depth: int = 0  # MTP modules; 0 = off (DeepSeek-V3 trains with 1)
+    # loss += loss_weight * mean_k(CE_k): DeepSeek-V3 uses 0.3, then 0.1 for the last tokens
+    loss_weight: float = 0.3
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where the prepared shards are and how batches are drawn from them."""
 
@@ -155,6 +180,11 @@ class DataConfig:
     # batch (ProLong's mix; a stage's short_fraction sets both). 0 = none.
     short_rows: int = 0
     short_len: int = 0
+    # A JSONL of OpenAI-format conversations (`moelab data sft-set`), "" = none. Set, the
+    # train batches are these conversations packed into seq_len rows with the loss on the
+    # assistant's tokens (supervised fine-tuning); data.path still names the corpus whose
+    # tokenizer and chat template encode them and whose val split is evaluated.
+    conversations: str = ""
 
 
 HOME_ENV = "MOELAB_HOME"
@@ -182,8 +212,17 @@ def data_dir(path: str) -> Path:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with decoupled weight decay, an LR schedule and global-norm clipping."""
+    """AdamW (or Muon for the hidden matrices) with decoupled weight decay, an LR schedule
+    and global-norm clipping."""
 
+    # adamw: every trainable array. muon: attention projections and every SwiGLU matrix
+    # (experts, shared expert, dense FFN) get Muon (momentum, then Newton-Schulz
+    # orthogonalisation of each 2-D matrix, scaled by 0.2 sqrt(max(fan_in, fan_out)) so its
+    # RMS matches AdamW's and lr / weight_decay carry over: Moonlight's rule); embedding,
+    # output head, norms and routers keep AdamW (train/optimizer.py)
+    name: Literal["adamw", "muon"] = "adamw"
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the orthogonalised matrices
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per update
     lr: float = 3e-3
     # linear: after warmup, straight down to lr * min_lr_ratio at the last step (Marin)
     schedule: Literal["wsd", "cosine", "linear", "constant"] = "wsd"
@@ -220,6 +259,9 @@ class TrainConfig:
     keep_stage_checkpoints: bool = False
     spike_window: int = 50  # steps in the rolling window of the spike detector
     spike_threshold: float = 6.0  # robust z-score (median/MAD) that flags a spike
+    # an expert that received no token for this many steps in a row counts as dead: the
+    # dead_experts/layer_i metric and an expert_dead (expert_revived) event (train/health.py)
+    dead_expert_window: int = 100
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 = a nominal figure per backend
 
 
@@ -251,6 +293,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -427,13 +470,13 @@ BOUNDS = {
     "model.vocab_size": (">", 0), "model.d_model": (">", 0), "model.n_layers": (">", 0),
     "model.n_heads": (">", 0), "model.n_kv_heads": (">", 0), "model.head_dim": (">=", 0),
     "model.d_ff": (">", 0), "model.d_ff_dense": (">=", 0), "model.rope_theta": (">", 0),
-    "model.attn_logit_scale": (">", 0),
+    "model.attn_logit_scale": (">", 0), "model.attention_chunk": (">", 0),
     "model.norm_eps": (">", 0), "model.init_std": (">", 0),
     "moe.n_experts": (">", 0), "moe.top_k": (">", 0), "moe.d_ff_shared": (">=", 0),
     "moe.capacity_factor": (">", 0), "moe.block_size": (">", 0),
     "loss.aux_weight": (">=", 0), "loss.router_z_weight": (">=", 0),
     "loss.seq_aux_weight": (">=", 0),
-    "loss.logit_z_weight": (">=", 0),
+    "loss.logit_z_weight": (">=", 0), "mtp.depth": (">=", 0), "mtp.loss_weight": (">=", 0),
     "data.seq_len": (">", 0), "data.batch_size": (">", 0), "data.seed": (">=", 0),
     "optim.lr": (">", 0), "optim.warmup_steps": (">=", 0), "optim.weight_decay": (">=", 0),
     "optim.b1": (">=", 0), "optim.b2": (">=", 0), "optim.eps": (">", 0),
@@ -447,6 +490,8 @@ BOUNDS = {
     "mesh.expert": (">", 0),
     "moe.send_capacity_factor": (">", 0), "moe.waves": (">", 0),
     "moe.routed_scaling": (">", 0), "moe.bias_rate": (">=", 0),
+    "moe.n_group": (">", 0), "moe.topk_group": (">", 0),
+    "optim.muon_ns_steps": (">", 0), "train.dead_expert_window": (">", 0),
     "distributed.num_processes": (">=", 0),
 }
 
@@ -474,6 +519,11 @@ def _validate_numbers(config: Config) -> None:
     _require(0 < moe.quantile_rate <= 1, "moe.quantile_rate", "must be in (0, 1]")
     _require(o.b1 < 1, "optim.b1", f"must be in [0, 1), got {o.b1}")
     _require(o.b2 < 1, "optim.b2", f"must be in [0, 1), got {o.b2}")
+    _require(0 <= o.muon_momentum < 1, "optim.muon_momentum",
+             f"must be in [0, 1), got {o.muon_momentum}")
+    _require(o.name != "muon" or not o.lr_base_width, "optim.lr_base_width",
+             "is muP's Adam rule; optim.name=muon carries lr over widths by its own RMS "
+             "matching (0.2 sqrt(max(fan_in, fan_out))): set optim.lr_base_width=0")
     _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
 
@@ -494,6 +544,7 @@ def validate(config: Config) -> None:
     _require(moe.top_k <= moe.n_experts, "moe.top_k",
              f"{moe.top_k} exceeds moe.n_experts={moe.n_experts}")
     _require(moe.pool_size >= 0, "moe.pool_size", "must be >= 0 (0 = whole batch)")
+    _validate_groups(moe)
     _require(moe.bias_rate_schedule == "constant" or moe.balance != "aux_loss",
              "moe.bias_rate_schedule", "schedules the selection bias's rate, so it needs "
              "moe.balance bias_sign or bias_quantile (aux_loss has no bias)")
@@ -509,6 +560,9 @@ def validate(config: Config) -> None:
     _require(not d.mixture or sum(d.mixture.values()) > 0, "data.mixture",
              "weights must not all be zero")
     _validate_rope(m, d.seq_len)
+    _require(config.mtp.depth < d.seq_len, "mtp.depth",
+             f"{config.mtp.depth} leaves no position to predict in data.seq_len={d.seq_len} "
+             "tokens; use fewer MTP modules")
     _require(math.isfinite(d.max_epochs) and d.max_epochs >= 0, "data.max_epochs",
              f"must be a finite number >= 0 (0 = no cap), got {d.max_epochs}")
     _require(0 <= d.short_rows <= d.batch_size, "data.short_rows",
@@ -518,6 +572,22 @@ def validate(config: Config) -> None:
              f"(the short windows of data.short_rows), got {d.short_len}")
     _validate_mesh(config)
     _ = config.plan  # built once (cached): stages order, ends, mixtures, shapes, LR restarts
+
+
+def _validate_groups(moe: MoEConfig) -> None:
+    """Group-limited top-k: equal groups of at least two experts (a group is scored by its
+    two best), no more top groups than groups, and enough eligible experts for top_k."""
+    _require(moe.n_experts % moe.n_group == 0, "moe.n_group",
+             f"{moe.n_group} must divide moe.n_experts={moe.n_experts} (equal groups)")
+    per_group = moe.n_experts // moe.n_group
+    _require(moe.n_group == 1 or per_group >= 2, "moe.n_group",
+             f"{moe.n_group} groups of {per_group} expert: a group is scored by its two best "
+             "experts, so each needs at least 2; use fewer groups")
+    _require(moe.topk_group <= moe.n_group, "moe.topk_group",
+             f"{moe.topk_group} exceeds moe.n_group={moe.n_group}")
+    _require(moe.top_k <= moe.topk_group * per_group, "moe.top_k",
+             f"{moe.top_k} exceeds the {moe.topk_group * per_group} experts of the "
+             f"moe.topk_group={moe.topk_group} eligible groups; raise moe.topk_group")
 
 
 def _validate_rope(model: ModelConfig, seq_len: int, where: str = "model",
@@ -572,6 +642,8 @@ def stage_model(model: ModelConfig, overrides: dict[str, Any], seq_len: int,
         value = getattr(new, name)
         _require(math.isfinite(value) and value > 0, f"{where}.model.{name}",
                  f"must be a finite number > 0, got {value}")
+    _require(0 < new.attention_chunk < INT_LIMIT, f"{where}.model.attention_chunk",
+             f"must be > 0, got {new.attention_chunk}")
     _validate_rope(new, seq_len, f"{where}.model", f"{where}.seq_len")
     return new
 

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 # long-context stage. None of them shapes a parameter, so the checkpoint stays loadable
 # across the stage; the rotary tables are computed from the config at trace time, so the
 # stage's step (a recompile at its start) uses them from its first update.
-STAGE_MODEL_FIELDS: tuple[str, ...] = ("rope_theta", "rope", "attn_logit_scale")
+STAGE_MODEL_FIELDS: tuple[str, ...] = ("rope_theta", "rope", "attn_logit_scale",
+                                     "attention_impl", "attention_chunk")
 
 
 @dataclass(frozen=True)

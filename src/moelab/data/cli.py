@@ -22,7 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare = commands.add_parser(
         "prepare", help="ingest, deduplicate, train a tokenizer and write token shards"
     )
-    prepare.add_argument("--out", required=True, help="dataset directory to write")
+    prepare.add_argument("--out", default=None, help="dataset directory to write (with "
+                         "--preset: default, the preset's data.path under $MOELAB_HOME)")
+    prepare.add_argument("--preset", choices=sorted(CORPUS_PRESET_NAMES), default=None,
+                         help="a named corpus, every setting fixed (ladder: the default sources "
+                         "without the 400-file cap, ~35M train tokens; data.path "
+                         "runs/data/ladder)")
     prepare.add_argument(
         "--source", action="append", default=[], metavar="NAME=GLOB",
         help="files of one source; repeat for more sources or more globs of one source, "
@@ -33,6 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "Python package's sources + system docs (a corpus to measure scale)")
     prepare.add_argument("--vocab-size", type=int_in(260, 2**20), default=4096,
                          help="BPE tokenizer size, special tokens included")
+    prepare.add_argument("--chat-tokens", action="store_true",
+                         help="also put the chat template's <|im_start|> / <|im_end|> in the "
+                         "vocabulary (its last two ids) and store the template: a corpus for "
+                         "a base model that is later fine-tuned on conversations")
     prepare.add_argument("--near-dup-threshold", type=float_in(0.0, 1.0), default=0.8,
                          help="MinHash Jaccard at or above which a document is a near dup")
     prepare.add_argument("--val-fraction", type=float_in(0.0, 0.5), default=0.05,
@@ -63,6 +72,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats = commands.add_parser("stats", help="documents per source and filter, tokens")
     stats.add_argument("dir", help="a dataset directory written by `moelab data prepare`")
     stats.set_defaults(func=run_stats)
+
+    sft = commands.add_parser(
+        "sft-set", help="question-answer conversations from man pages and stdlib docstrings")
+    sft.add_argument("--out", required=True, help="directory for train.jsonl, val.jsonl and "
+                     "sft_meta.json")
+    sft.add_argument("--val-fraction", type=float_in(0.0, 0.9), default=0.1,
+                     help="share of the questions held out (chosen by each question's hash)")
+    sft.add_argument("--max-examples", type=int_in(1), default=None,
+                     help="keep this many questions (a hash-ordered sample; default: all)")
+    sft.set_defaults(func=run_sft_set)
 
 
 def data_commands(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -109,11 +128,50 @@ def parse_quality(specs: list[str]) -> dict[str, list[float | None]]:
     return thresholds
 
 
-def run_prepare(args: argparse.Namespace) -> int:
-    from moelab.data.prepare import SOURCE_PRESETS, prepare
+# The options a corpus preset fixes: {prepare()'s keyword: (its argparse dest, its flag)}.
+PRESET_OPTIONS = {"vocab_size": ("vocab_size", "--vocab-size"),
+                  "near_dup_threshold": ("near_dup_threshold", "--near-dup-threshold"),
+                  "val_fraction": ("val_fraction", "--val-fraction"),
+                  "min_chars": ("min_chars", "--min-chars"),
+                  "max_docs_per_source": ("max_docs", "--max-docs"),
+                  "max_chars": ("max_chars", "--max-chars"),
+                  "long_files": ("long_files", "--long-files")}
+CORPUS_PRESET_NAMES = ("ladder",)  # moelab.data.prepare.CORPUS_PRESETS (imported lazily)
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():  # before hours of ingest
-        raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
+
+def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """args with --preset's sources, settings and (unless given) --out filled in; an option
+    that the preset fixes given another value is refused, so a preset's name always means
+    the same settings."""
+    from moelab.config import data_dir
+    from moelab.data.prepare import CORPUS_PRESETS
+
+    preset = CORPUS_PRESETS[args.preset]
+    if args.source or args.sources or args.quality:
+        raise UserError(f"--preset {args.preset} fixes the sources and quality thresholds; "
+                        "drop --source/--sources/--quality, or drop --preset")
+    for key, value in preset["settings"].items():
+        dest, flag = PRESET_OPTIONS[key]
+        if getattr(args, dest) != value:
+            raise UserError(f"--preset {args.preset} fixes {flag} to {value}; drop {flag} "
+                            f"{getattr(args, dest)}, or drop --preset")
+    out = args.out or str(data_dir(preset["path"]))
+    return argparse.Namespace(**{**vars(args), "sources": preset["sources"], "out": out})
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from moelab import outputs
+    from moelab.data.loader import META_FILE
+    from moelab.data.prepare import SOURCE_PRESETS, WORK_DIR, prepare
+    from moelab.data.provenance import MANIFEST_DIR
+
+    if args.preset:
+        args = apply_preset(args)
+    if args.out is None:
+        raise UserError("--out: give the dataset directory to write (or a --preset)")
+    out = Path(args.out)  # checked before hours of ingest; a dataset of its own resumes
+    outputs.check_dir(out, ours=any((out / name).exists()
+                                    for name in (META_FILE, WORK_DIR, MANIFEST_DIR)))
     sources = parse_sources(args.source)
     if args.sources and sources:
         raise UserError("give --sources PRESET or --source NAME=GLOB, not both")
@@ -123,7 +181,7 @@ def run_prepare(args: argparse.Namespace) -> int:
             max_docs_per_source=args.max_docs, workers=args.workers, use_ray=args.ray,
             quality_thresholds=parse_quality(args.quality), shard_docs=args.shard_docs,
             partitions=args.partitions, max_chars=args.max_chars or None,
-            long_files=args.long_files)
+            long_files=args.long_files, chat_tokens=args.chat_tokens)
     return run_stats(argparse.Namespace(dir=args.out))
 
 
@@ -134,4 +192,15 @@ def run_stats(args: argparse.Namespace) -> int:
     meta = read_meta(args.dir)
     print(stats_table(read_manifest(args.dir), meta))
     print(f"vocab_size {meta['vocab_size']}  eos_id {meta['eos_id']}")
+    return 0
+
+
+def run_sft_set(args: argparse.Namespace) -> int:
+    from moelab.data.sftset import build_sft_set
+
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
+    meta = build_sft_set(args.out, args.val_fraction, args.max_examples)
+    print(f"{args.out}: {meta['examples']['train']} train and {meta['examples']['val']} "
+          f"held-out conversations ({meta['by_kind']})")
     return 0

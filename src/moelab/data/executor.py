@@ -155,7 +155,7 @@ class RayExecutor(Executor):
             import ray
             import ray.data  # noqa: F401  (the extra `ray[data]` brings it)
         except ImportError as err:
-            raise UserError("--ray needs Ray Data installed: pip install 'moelab[ray]'") from err
+            raise UserError("--ray needs Ray Data installed: pip install -e '.[ray]'") from err
         if not ray.is_initialized():
             ray.init()
 

@@ -190,6 +190,20 @@ class Batches:
                 for i, k in zip(sources, windows, strict=True)]
         return np.stack(rows).astype(np.int32)
 
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at state["step"]; refuses a state saved under other settings, whose
+        batches would silently differ from the uninterrupted run's."""
+        mine = self.state_dict()
+        changed = sorted(k for k in mine if k != "step" and state.get(k) != mine[k])
+        if changed:
+            details = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in changed)
+            raise UserError(f"loader state does not match this loader ({details}); "
+                            "resume with the data config the run started with")
+        self.step = int(state["step"])
+
     def __iter__(self) -> Batches:
         return self
 
@@ -259,16 +273,6 @@ class Loader(Batches):
         return {"step": self.step, "seed": self.seed, "split": self.split,
                 "seq_len": self.seq_len, "batch_size": self.batch_size, "weights": weights}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume at state["step"]; refuses a state saved under other settings, whose
-        batches would silently differ from the uninterrupted run's."""
-        mine = self.state_dict()
-        changed = sorted(k for k in mine if k != "step" and state.get(k) != mine[k])
-        if changed:
-            details = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in changed)
-            raise UserError(f"loader state does not match this loader ({details}); "
-                            "resume with the data config the run started with")
-        self.step = int(state["step"])
 
 
 def apportion(weights: np.ndarray, rows: int) -> np.ndarray:
@@ -376,3 +380,49 @@ class StagedLoader(Batches):
                             "(their rows would differ from the saved run's); resume with the "
                             "plan the run trained with")
         self.step = step
+
+
+class ConversationLoader(Batches):
+    """Train batches of conversations (`data.conversations`): the file's conversations,
+    encoded with the dataset's tokenizer and chat template, packed into rows of
+    seq_len + 1 (`chat.pack`), and drawn epoch by epoch in a permutation seeded by
+    (seed, epoch). A batch is the dict `chat.Packed.batch` (tokens, segments, positions,
+    loss mask), a pure function of (seed, step) like every loader's."""
+
+    def __init__(self, data_dir: str | Path, path: str | Path, seq_len: int, batch_size: int,
+                 seed: int = 0) -> None:
+        from moelab.data.chat import (
+            chat_template_of,
+            encode_all,
+            pack,
+            read_conversations,
+            require_chat_tokens,
+        )
+        from moelab.data.tokenizer import load_tokenizer
+
+        self.meta = read_meta(data_dir)
+        self.sources: list[str] = list(self.meta["sources"])  # the corpus's, for its val
+        self.path, self.seq_len, self.batch_size, self.seed = str(path), seq_len, batch_size, seed
+        tokenizer = load_tokenizer(data_dir)
+        require_chat_tokens(tokenizer, data_dir)
+        template = chat_template_of(data_dir)
+        self.conversations = read_conversations(path)
+        self.rows = pack(encode_all(tokenizer, self.conversations, seq_len, template), seq_len,
+                         self.meta["eos_id"])
+        self.step = 0
+
+    def plan(self, step: int) -> np.ndarray:
+        """The packed rows of the batch at `step`: positions step*B.. of the concatenated
+        per-epoch permutations of the rows."""
+        n = len(self.rows)
+        at = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+        epochs = {int(e): np.random.default_rng([self.seed, int(e)]).permutation(n)
+                  for e in np.unique(at // n)}
+        return np.array([epochs[int(i // n)][i % n] for i in at])
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        return self.rows.batch(self.plan(step))
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "conversations": self.path,
+                "rows": len(self.rows), "seq_len": self.seq_len, "batch_size": self.batch_size}

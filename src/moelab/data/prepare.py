@@ -24,7 +24,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from moelab.config import data_dir
 from moelab.data import quality, stages
+from moelab.data.chat import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE
 from moelab.data.dedup import MAX_THRESHOLD, NUM_PERM, SHINGLE_WORDS, lsh_bands
 from moelab.data.executor import Executor, RayExecutor, peak_rss_mb, reset_peak_rss
 from moelab.data.ingest import list_documents, source_globs
@@ -36,7 +38,14 @@ from moelab.data.provenance import (
     read_manifest,
     reason_kind,
 )
-from moelab.data.shards import read_table, shard_path, token_dtype, write_json, write_streams
+from moelab.data.shards import (
+    read_table,
+    shard_path,
+    token_dtype,
+    write_json,
+    write_streams,
+    write_text,
+)
 from moelab.data.tokenizer import EOS, MIN_VOCAB, TOKENIZER_FILE
 from moelab.errors import UserError
 
@@ -71,6 +80,30 @@ INSTALLED_SOURCES: dict[str, list[str]] = {
                 for name in ("*.md", "*.rst", "*.txt", "METADATA")), "!*.html"],
 }
 SOURCE_PRESETS = {"default": DEFAULT_SOURCES, "installed": INSTALLED_SOURCES}
+# Named corpora (`moelab data prepare --preset NAME`): every setting that shapes the bytes
+# fixed, so one machine's files always give the same dataset (its content_sha256 names it),
+# and a data.path where specs find it (under $MOELAB_HOME, see config.data_dir).
+# "ladder": the default sources without the per-source cap of `moelab train`'s corpus, long
+# files split: ~35M train tokens on the developers' machine (2026-12-05) against the default
+# corpus's 1.8M, so the held-out ladder targets (configs/ladder/heldout/) stay under one pass
+# over each source. Its settings are the command's defaults with --sources default.
+CORPUS_PRESETS: dict[str, dict] = {
+    "ladder": {"path": "runs/data/ladder", "sources": "default",
+               "settings": {"vocab_size": 4096, "near_dup_threshold": 0.8, "val_fraction": 0.05,
+                            "min_chars": 200, "max_docs_per_source": None,
+                            "max_chars": 1_000_000, "long_files": "split"}},
+}
+
+
+def check_preset_prepared(path: str) -> None:
+    """A data.path naming a corpus preset that is not prepared: a UserError saying the
+    command that prepares it (nothing for any other path)."""
+    name = next((n for n, p in CORPUS_PRESETS.items() if p["path"] == path), None)
+    if name and not (data_dir(path) / META_FILE).is_file():
+        raise UserError(f"data.path: {path} is the {name} corpus, not prepared yet at "
+                        f"{data_dir(path)}; run `moelab data prepare --preset {name}` once")
+
+
 # Caps that keep ensure_default_corpus near 15 s on two cores (`moelab train` with no
 # arguments calls it): about 2.5M tokens, plenty for the small models of the lab.
 DEFAULT_MAX_DOCS = 400
@@ -96,6 +129,7 @@ def prepare(
     tokenizer_sample_chars: int = TOKENIZER_SAMPLE_CHARS,
     seed: int = 0,
     long_files: str = "split",
+    chat_tokens: bool = False,
 ) -> dict:
     """Build a dataset in out_dir; return meta.json's contents plus "seconds" and
     "peak_rss_mb" (driver per phase, largest task per stage) to locate time and memory.
@@ -113,6 +147,9 @@ def prepare(
     default_shard_docs) and partitions (None = one per 8 shards, at most 64) size the
     tasks; the tokenizer trains on at most tokenizer_sample_chars of train text, sampled
     with seed. The output bytes depend on neither the executor nor the number of workers.
+    chat_tokens: the tokenizer also holds the chat template's special tokens (its last two
+    ids; see `train_tokenizer`) and the template is written beside it (a corpus to pre-train
+    a model that is then fine-tuned on conversations).
     """
     _check_settings(vocab_size, near_dup_threshold, val_fraction, min_chars)
     thresholds = quality.check_thresholds(quality_thresholds or {})
@@ -137,7 +174,7 @@ def prepare(
         min_chars=min_chars,
         max_chars=max_chars, thresholds=thresholds, near_dup_threshold=near_dup_threshold,
         bands=bands, rows=rows, vocab_size=vocab_size,
-        tokenizer_sample_chars=tokenizer_sample_chars, seed=seed)
+        tokenizer_sample_chars=tokenizer_sample_chars, seed=seed, chat_tokens=chat_tokens)
     settings = dict(sources=globs, vocab_size=vocab_size, near_dup_threshold=near_dup_threshold,
                     val_fraction=val_fraction, min_chars=min_chars, max_chars=max_chars,
                     max_docs_per_source=max_docs_per_source, quality_thresholds=thresholds,
@@ -145,6 +182,8 @@ def prepare(
                                  rows=rows),
                     tokenizer_sample_chars=tokenizer_sample_chars, seed=seed,
                     long_files=long_files)
+    if chat_tokens:  # only then: meta.json of a corpus without chat stays byte-identical
+        settings["chat_tokens"] = True
     listing = hashlib.sha256("\n".join(f"{d.source}\t{d.path}\t{d.span}"
                                        for d in docs).encode())
     created = not Path(out_dir).exists()
@@ -227,6 +266,9 @@ def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
     write_streams({key: shard_path(out, *key) for key in streams},
                   {key: totals[key] for key in streams}, stages.stream_pieces(plan, dtype), dtype)
     os.replace(work / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
+    if settings.get("chat_tokens"):
+        write_text(out / CHAT_TEMPLATE_FILE, CHAT_TEMPLATE)
     shutil.rmtree(out / MANIFEST_DIR, ignore_errors=True)
     os.replace(work / MANIFEST_DIR, out / MANIFEST_DIR)
     counts = count_documents(read_manifest(out))

@@ -92,6 +92,7 @@ class Plan:
     vocab_size: int
     tokenizer_sample_chars: int
     seed: int
+    chat_tokens: bool = False  # append the chat template's special tokens to the vocabulary
 
     @property
     def shards(self) -> int:
@@ -405,7 +406,7 @@ def train_on_sample(plan: Plan, counts: dict[str, dict], val_fraction: float) ->
             while chars > plan.tokenizer_sample_chars and len(heap) > 1:
                 chars -= heapq.heappop(heap)[2]
     tokenizer = train_tokenizer(_texts_of(plan, {doc_id for _, doc_id, _ in heap}),
-                                plan.vocab_size)
+                                plan.vocab_size, plan.chat_tokens)
     write_text(out, tokenizer.to_str())
 
 

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from moelab.config import data_dir
-from moelab.schema import int_in
+from moelab.schema import add_run_dir, int_in
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tasks = actions.add_parser(
         "tasks", help="multiple-choice tasks (ranked classification) through "
         "lm-evaluation-harness: acc, acc_norm with standard errors")
-    tasks.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
+    add_run_dir(tasks)
     tasks.add_argument("--tasks", default="",
                        help="comma-separated: local cont_<domain> tasks built from held-out "
                             "data (default: all of them), or the harness's own (e.g. "
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tasks.set_defaults(func=_tasks)
     bpb = actions.add_parser("bpb", help="bits per byte (and loss) per held-out domain over "
                              "the whole val split, with the macro average")
-    bpb.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
+    add_run_dir(bpb)
     _common(bpb)
     bpb.set_defaults(func=_bpb)
     add_longctx(actions)
@@ -83,8 +83,20 @@ def _tokenizer(cfg, path: Path | None):
     return tokenizer
 
 
+def _out(args: argparse.Namespace) -> Path:
+    """The results directory, checked before any loading: RUN_DIR/eval is the run's own, a
+    given --out must be new, empty or an earlier eval's (outputs.check_dir)."""
+    from moelab import outputs
+
+    out = args.out or args.run_dir / "eval"
+    outputs.check_dir(out, ours=True if args.out is None else None)
+    return out
+
+
 def _write(out: Path, name: str, record: dict) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
+    from moelab import outputs
+
+    outputs.mark(out, "eval")
     path = out / name
     path.write_text(json.dumps(record, indent=1) + "\n")
     with open(out / "evals.jsonl", "a") as f:  # every eval of this run, in order
@@ -118,6 +130,7 @@ def _tasks(args: argparse.Namespace) -> None:
 
     if args.items < 1:
         raise UserError(f"--items must be >= 1, got {args.items}")
+    out = _out(args)
     model, cfg, step = _load(args.run_dir)
     available = task_names(data_dir(cfg.data.path))
     names = [n.strip() for n in args.tasks.split(",") if n.strip()] or available
@@ -125,7 +138,6 @@ def _tasks(args: argparse.Namespace) -> None:
     if unknown:  # before the harness indexes its own tasks (seconds)
         raise UserError(f"unknown local task(s) {unknown}; this run's dataset has {available}")
     tokenizer = _tokenizer(cfg, args.tokenizer)
-    out = args.out or args.run_dir / "eval"
     scores = harness.score_tasks(model, cfg, tokenizer, names, out / "tasks", args.items,
                                  args.seed)
     record = {"run_dir": str(args.run_dir), "step": step, "kind": "tasks", "seed": args.seed,
@@ -143,11 +155,12 @@ def _tasks(args: argparse.Namespace) -> None:
 def _bpb(args: argparse.Namespace) -> None:
     from moelab.eval.bpb import whole_split_evaluator
 
+    out = _out(args)
     model, cfg, step = _load(args.run_dir)
     _tokenizer(cfg, None)
     evaluate = whole_split_evaluator(data_dir(cfg.data.path), cfg.data.seq_len, cfg.train.dtype)
     metrics = evaluate(model)
-    path = _write(args.out or args.run_dir / "eval", f"bpb-step{step}.json",
+    path = _write(out, f"bpb-step{step}.json",
                   {"run_dir": str(args.run_dir), "step": step, "kind": "bpb",
                    "metrics": metrics})
     print(f"step {step} of {args.run_dir}, whole held-out split:")
@@ -163,7 +176,7 @@ def add_longctx(evals: argparse._SubParsersAction) -> None:
 
     p = evals.add_parser("longctx", help="loss by position, passkey retrieval and short-"
                          "context loss of a run's newest checkpoint (JSON; lab if attached)")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
+    add_run_dir(p)
     p.add_argument("--original", type=int_in(0), default=0,
                    help="the pre-extension context (0: model.rope's original length, else "
                    "data.seq_len / model.rope.factor)")

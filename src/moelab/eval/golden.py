@@ -276,11 +276,16 @@ def transformers_outputs(export_dir: Path, golden: dict[str, Any]) -> list[dict[
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+    from moelab.errors import UserError
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(export_dir,
+                                                                  dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001 - a damaged export fails in any of its parsers
+        raise UserError(f"{export_dir} does not load in transformers ({type(err).__name__}: "
+                        f"{str(err)[:200]}); export again") from None
     model.eval()
     if model.config.vocab_size != golden["vocab_size"]:
-        from moelab.errors import UserError
-
         raise UserError(f"{export_dir} has vocab_size {model.config.vocab_size} but the run's "
                         f"model has {golden['vocab_size']}: this export is of another model")
     captured: list[tuple[np.ndarray, np.ndarray]] = []
@@ -295,8 +300,13 @@ def transformers_outputs(export_dir: Path, golden: dict[str, Any]) -> list[dict[
     try:
         for record in golden["inputs"]:
             captured.clear()
-            with torch.no_grad():
-                logits = model(torch.tensor([record["tokens"]])).logits[0].double().numpy()
+            try:
+                with torch.no_grad():
+                    logits = model(torch.tensor([record["tokens"]])).logits[0].double().numpy()
+            except Exception as err:  # noqa: BLE001 - a config that loads but cannot run
+                raise UserError(f"{export_dir} loads but does not run in transformers "
+                                f"({type(err).__name__}: {str(err)[:200]}); export again"
+                                ) from None
             outputs.append({"logprobs": log_softmax64(logits),
                             "layers": [{"experts": e, "weights": w} for e, w in captured]})
     finally:

@@ -36,7 +36,7 @@ def _lm_base():
     try:
         from lm_eval.api.model import LM
     except ModuleNotFoundError as err:
-        raise UserError("lm-evaluation-harness is not installed: pip install 'moelab[eval]'"
+        raise UserError("lm-evaluation-harness is not installed: pip install -e '.[eval]'"
                         ) from err
     return LM
 

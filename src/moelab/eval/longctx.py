@@ -229,15 +229,18 @@ def run(run_dir: str | Path, original: int | None = None, max_multiple: int = 8,
         trials: int = TRIALS, out: str | Path | None = None) -> dict[str, Any]:
     """`moelab eval longctx RUN_DIR`: evaluate the run's newest good checkpoint, write the
     JSON beside it (or to `out`) and log the summary to the lab if the run is attached."""
+    from moelab import outputs
+    from moelab.config import data_dir
     from moelab.train.checkpoint import load_latest
 
+    path = Path(out) if out else Path(run_dir) / RESULTS_FILE
+    outputs.check_file(path)
     model, cfg, step = load_latest(run_dir)
     original = original or original_length(cfg)
     if original <= 0 or max_multiple < 1 or trials < 1:
         raise UserError("--original, --max-multiple and --trials must be >= 1")
     result = {"run_dir": str(run_dir), "step": step,
-              **evaluate(model, cfg.data.path, original, max_multiple, trials)}
-    path = Path(out) if out else Path(run_dir) / RESULTS_FILE
+              **evaluate(model, data_dir(cfg.data.path), original, max_multiple, trials)}
     path.write_text(json.dumps(result, indent=1) + "\n")
     _log_to_lab(Path(run_dir), step, summary(result))
     return result

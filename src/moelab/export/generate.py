@@ -12,6 +12,7 @@ not do. That is also the function the Hugging Face export computes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -61,23 +62,52 @@ PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this ...
 CACHE_BUCKET = 64  # ... and caches rounded up to one of this, so few shapes get compiled
 
 
-def check_length_fits(cfg: Config, n_tokens: int) -> None:
-    """Refuse, before allocating, a generation whose KV cache cannot fit beside the model in
-    one device's memory (a cache of n_layers x 2 x n_tokens x n_kv_heads x head_dim f32
-    values): otherwise a large --max-new-tokens ends in an out-of-memory traceback."""
-    from moelab.train.memory import BYTES, available_bytes
+def generation_bytes(cfg: Config, n_tokens: int, prompt: int = 0) -> int:
+    """Device memory of a generation of n_tokens in all, `prompt` of them the prompt: the
+    model, its KV cache (n_layers x 2 x length x n_kv_heads x head_dim f32 values) and the
+    prompt pass, one layer's at a time: its attention scores and probabilities (n_heads x
+    prompt x cache length each) and its expert activations."""
+    from moelab.train.memory import BYTES
     from moelab.train.metrics import total_params
 
     m = cfg.model
-    cache = 2 * m.n_layers * _round_up(n_tokens, CACHE_BUCKET) * m.n_kv_heads * \
-        m.resolved_head_dim * BYTES
-    need, have = cache + BYTES * total_params(cfg), available_bytes()
-    if need > have:
-        most = (have - BYTES * total_params(cfg)) // (2 * m.n_layers * m.n_kv_heads
-                                                      * m.resolved_head_dim * BYTES)
-        raise ConfigError(f"generating {n_tokens} tokens needs {need / 2**30:.1f} GiB for the "
-                          f"model and its KV cache, the device has {have / 2**30:.1f} GiB; "
-                          f"ask for at most about {max(most, 0)} tokens")
+    rows = _round_up(prompt, PROMPT_BUCKET) if prompt else 0
+    length = _round_up(max(rows, n_tokens), CACHE_BUCKET)
+    cache = 2 * m.n_layers * length * m.n_kv_heads * m.resolved_head_dim
+    prompt_pass = rows * (2 * m.n_heads * length + 3 * cfg.moe.top_k * m.d_ff + 4 * m.d_model)
+    return BYTES * (total_params(cfg) + cache + prompt_pass)
+
+
+def check_length_fits(cfg: Config, n_tokens: int, prompt: int = 1) -> None:
+    """Refuse, before allocating, a generation of n_tokens (`prompt` of them the prompt)
+    that cannot fit in one device's memory (`generation_bytes`): otherwise a long prompt or
+    a large --max-new-tokens ends in an out-of-memory traceback. Names the most it can take."""
+    from moelab.train.memory import available_bytes
+
+    need, have = generation_bytes(cfg, n_tokens, prompt), available_bytes()
+    if need <= have:
+        return
+    new = n_tokens - prompt
+
+    def largest(fits) -> int:  # the largest n with fits(n), fits monotone decreasing
+        low, high = 0, 1
+        while fits(high) and high < 2**62:
+            high *= 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
+
+    what = (f"generating {new} tokens after a {prompt}-token prompt needs {need / 2**30:.1f} "
+            "GiB for the model, its KV cache and the prompt pass's attention")
+    if generation_bytes(cfg, prompt + 1, prompt) > have:  # the prompt alone is too long
+        hint = ("the largest prompt it can take is about "
+                f"{largest(lambda p: generation_bytes(cfg, p + 1, p) <= have)} tokens")
+    else:
+        hint = ("ask for at most about "
+                f"{largest(lambda n: generation_bytes(cfg, prompt + n, prompt) <= have)} new "
+                "tokens after this prompt")
+    raise ConfigError(f"{what}, the device has {have / 2**30:.1f} GiB; {hint}")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -111,11 +141,26 @@ def generate(
 ) -> list[int]:
     """The new token ids after prompt_ids (greedy when temperature is 0); stops after
     eos_id if given. The same seed gives the same tokens."""
+    return list(iter_generate(model, prompt_ids, max_new_tokens, temperature, top_p, seed,
+                              eos_id))
+
+
+def iter_generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> Iterator[int]:
+    """`generate`'s tokens one at a time, each as soon as it is picked: a caller that
+    stops iterating (a server whose client went away) stops the decoding."""
     check_sampling(temperature, top_p)
     if not prompt_ids:
         raise ConfigError("prompt: needs at least one token")
     if max_new_tokens <= 0:
-        return []
+        return
     n_prompt = len(prompt_ids)
     padded = np.zeros(_round_up(n_prompt, PROMPT_BUCKET), np.int32)
     padded[:n_prompt] = prompt_ids
@@ -128,14 +173,15 @@ def generate(
                              *settings)
     # One token per step: one-row blocks; the training block size would be mostly padding.
     stepper = with_dropless_dispatch(model, block_size=1)
-    out = [int(token)]
+    last = int(token)
+    yield last
     for i in range(1, max_new_tokens):
-        if out[-1] == eos_id:
-            break
+        if last == eos_id:
+            return
         token, caches = _advance(stepper, caches, token[None], jnp.int32(n_prompt + i - 1),
                                  jnp.int32(1), jax.random.fold_in(key, i), *settings)
-        out.append(int(token))
-    return out
+        last = int(token)
+        yield last
 
 
 def generate_text(

@@ -41,6 +41,7 @@ import numpy as np
 
 from moelab.config import Config, ConfigError, ModelConfig
 from moelab.errors import UserError
+from moelab.schema import brief
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -71,6 +72,9 @@ def _refusals(cfg: Config) -> list[tuple[str, str, str]]:
             return [("moe.d_ff_shared", f"Glm4Moe's shared expert is a multiple of "
                      f"model.d_ff={m.d_ff} wide, not {d_shared}",
                      "train with a multiple of model.d_ff (or 0)")]
+        if moe.n_experts < 2:
+            return [("moe.n_experts", "Glm4Moe scores its (one) expert group by its two best "
+                     "experts", "train with moe.n_experts >= 2")]
         return []
     out = []  # Qwen3-MoE
     softmax = "Glm4Moe routes with sigmoid only and Qwen3-MoE has no"
@@ -83,6 +87,9 @@ def _refusals(cfg: Config) -> list[tuple[str, str, str]]:
     if moe.routed_scaling != 1.0:
         out.append(("moe.routed_scaling", f"{softmax} routed scaling factor",
                     "train with moe.routed_scaling=1, or moe.router=sigmoid"))
+    if moe.n_group > 1:
+        out.append(("moe.n_group", f"{softmax} group-limited routing",
+                    "train with moe.n_group=1, or moe.router=sigmoid"))
     if not m.qk_norm:
         out.append(("model.qk_norm", "Qwen3-MoE always applies q_norm/k_norm per head",
                     "train with model.qk_norm=true, or moe.router=sigmoid"))
@@ -132,7 +139,7 @@ def hf_config(cfg: Config, eos_token_id: int | None = None) -> dict[str, Any]:
             "n_routed_experts": moe.n_experts,
             "n_shared_experts": (moe.d_ff_shared or m.d_ff) // m.d_ff,
             "routed_scaling_factor": moe.routed_scaling,
-            "n_group": 1, "topk_group": 1,  # no group-limited routing
+            "n_group": moe.n_group, "topk_group": moe.topk_group,  # group-limited top-k
             "first_k_dense_replace": m.n_dense_layers,
             "use_qk_norm": m.qk_norm,
             "num_nextn_predict_layers": 0,
@@ -232,8 +239,11 @@ def _check_model_matches(model: Transformer, cfg: Config) -> None:
                             "one given; export the config the checkpoint was trained with")
 
 
-def _tokenizer_files(tokenizer: Tokenizer, cfg: Config) -> tuple[dict[str, str], int | None]:
-    """tokenizer.json plus the config that makes `AutoTokenizer.from_pretrained` load it."""
+def _tokenizer_files(tokenizer: Tokenizer, cfg: Config, chat_template: str | None = None
+                     ) -> tuple[dict[str, str], int | None]:
+    """tokenizer.json plus the config that makes `AutoTokenizer.from_pretrained` load it;
+    with the corpus's chat template, `apply_chat_template` renders as moelab does (its
+    special tokens are in tokenizer.json's added tokens)."""
     from moelab.data.tokenizer import EOS
 
     if tokenizer.get_vocab_size() > cfg.model.vocab_size:
@@ -248,9 +258,80 @@ def _tokenizer_files(tokenizer: Tokenizer, cfg: Config) -> tuple[dict[str, str],
     }
     if eos_id is not None:
         settings["eos_token"] = EOS
+    if chat_template is not None:
+        from moelab.data.chat import SPECIAL_TOKENS, require_chat_tokens
+
+        require_chat_tokens(tokenizer, "export")
+        settings["chat_template"] = chat_template
+        settings["additional_special_tokens"] = list(SPECIAL_TOKENS)
     files = {"tokenizer.json": tokenizer.to_str(),
              "tokenizer_config.json": json.dumps(settings, indent=2)}
     return files, eos_id
+
+
+def check_out(out_dir: Path, force: bool) -> bool:
+    """Refuse an --out that export must not write (outputs.check_dir); True when it holds an
+    earlier export of moelab's that `force` replaces."""
+    from moelab import outputs
+
+    replace = outputs.check_dir(out_dir, force)
+    if replace and not force:
+        raise UserError(f"--out {out_dir} holds an earlier export; pass --force to replace it, "
+                        "or choose another --out")
+    return replace
+
+
+def check_export(export_dir: Path) -> tuple[dict[str, Any], list[str]]:
+    """(the identity it recorded, the files changed since) of an export `export_hf` wrote;
+    a file it wrote that is gone is refused. ({}, []) for an export moelab did not write,
+    which only loading it can check."""
+    from moelab import outputs
+
+    if not export_dir.is_dir():
+        raise UserError(f"--export {export_dir} is not a directory; pass a `moelab export` "
+                        "output directory")
+    record = outputs.marker(export_dir)
+    files = record.get("files")
+    if not isinstance(files, dict):
+        return {}, []
+    missing = [str(name) for name in files if not (export_dir / str(name)).is_file()]
+    if missing:
+        raise UserError(f"{export_dir} lacks {', '.join(missing)}, which moelab export wrote "
+                        "there; export again")
+    changed = [str(name) for name, sha in files.items()
+               if outputs.file_sha256(export_dir / str(name)) != sha]
+    identity = record.get("identity")
+    return (identity if isinstance(identity, dict) else {}), changed
+
+
+def check_export_config(export_dir: Path, cfg: Config) -> None:
+    """The export's config.json is JSON and describes this run's model (`hf_config`): an
+    edited expert count or width would otherwise load with random weights, or not at all;
+    its weights file opens (a truncated one fails its header's length check)."""
+    path = export_dir / "config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} is not a readable JSON config ({type(err).__name__}); "
+                        "export again") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{path} is not a JSON object; export again")
+    ours = hf_config(cfg)
+    differs = [f"{k} {brief(saved.get(k), 20)} (the run's model: {brief(v, 20)})"
+               for k, v in ours.items() if k != "eos_token_id" and saved.get(k) != v]
+    if differs:
+        raise UserError(f"{path} does not describe this run's model: {'; '.join(differs[:3])}"
+                        "; export this run again")
+    weights = export_dir / WEIGHTS_FILE
+    if weights.exists():  # its header and length, without reading the tensors
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(weights), "np"):
+                pass
+        except Exception as err:  # noqa: BLE001 - the library's own error types
+            raise UserError(f"{weights} is not a readable safetensors file ({type(err).__name__}:"
+                            f" {str(err)[:100]}): truncated or damaged; export again") from None
 
 
 def export_hf(
@@ -258,38 +339,57 @@ def export_hf(
     cfg: Config,
     out_dir: str | Path,
     tokenizer: Tokenizer | None = None,
+    force: bool = False,
+    identity: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write `model` (trained with `cfg`) to out_dir as a Qwen3-MoE or Glm4Moe checkpoint.
+    """Write `model` (trained with `cfg`) to out_dir as a Qwen3-MoE or Glm4Moe checkpoint
+    (with the tokenizer, and its chat template when the corpus has one).
 
-    out_dir must not exist or be empty. Everything is written to a temporary sibling that
-    is renamed into place last, so a failed export never leaves a partial directory.
+    out_dir must not exist or be empty, or (with `force`) be an earlier export that moelab
+    made (it carries `outputs.MARKER`). Everything is written to a temporary sibling that is
+    renamed into place last, so a failed export never leaves a partial directory. The
+    marker records each file's sha256 and the checkpoint's `identity` (run, corpus and
+    tokenizer), which `check_export` checks.
     """
+    from moelab import outputs
+
     check_exportable(cfg)
     _check_model_matches(model, cfg)
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(f"{out_dir} already exists and is not empty; remove it or choose "
-                        "another --out")
+    replace = check_out(out_dir, force)
     try:
         from safetensors.numpy import save_file
     except ImportError as err:
-        raise UserError("export needs safetensors: pip install 'moelab[export]'") from err
+        raise UserError("export needs safetensors: pip install -e '.[export]'") from err
 
-    files, eos_id = _tokenizer_files(tokenizer, cfg) if tokenizer is not None else ({}, None)
+    files, eos_id = (_tokenizer_files(tokenizer, cfg, chat_template) if tokenizer is not None
+                     else ({}, None))
     files["config.json"] = json.dumps(hf_config(cfg, eos_id), indent=2)
     weights = hf_state_dict(model)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    old = None
     try:
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         for name, text in files.items():
             (tmp / name).write_text(text + "\n")
+        outputs.mark(tmp, "export", identity=identity or {}, files={
+            p.name: outputs.file_sha256(p) for p in sorted(tmp.iterdir())})
         # safetensors creates its file owner-only; give it the mode (umask) of the others
         shutil.copymode(tmp / "config.json", tmp / WEIGHTS_FILE)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only
+        if replace:  # an earlier export of moelab's: moved aside, removed once replaced
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
         os.replace(tmp, out_dir)  # atomic; replaces an empty out_dir
     except BaseException:
+        if old is not None and not out_dir.exists():
+            os.replace(old / out_dir.name, out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     return out_dir

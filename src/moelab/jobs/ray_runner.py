@@ -60,7 +60,7 @@ def _import_ray():
     try:
         import ray
     except ModuleNotFoundError:
-        raise UserError("--ray needs Ray: pip install 'moelab[ray]'") from None
+        raise UserError("--ray needs Ray: pip install -e '.[ray]'") from None
     return ray
 
 

@@ -14,7 +14,7 @@ from typing import Literal
 from moelab.config import load_config
 from moelab.lab.records import ENDED, current_git_commit
 from moelab.lab.store import Store, default_lab_path
-from moelab.schema import float_in, read_yaml
+from moelab.schema import add_run_dir, float_in, read_yaml
 from moelab.train.cli import PRESETS, config_path
 
 
@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     attach = command("attach", "record an existing run dir (trained without --experiment) in "
                      "an experiment, importing its metrics and events")
-    attach.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a training run directory")
+    add_run_dir(attach)
     attach.add_argument("--experiment", required=True, help="experiment id, e.g. exp-1")
     attach.add_argument("--allow-config-change", action="store_true",
                         help="attach although the run's config differs from the experiment's "
@@ -134,6 +134,7 @@ def _finish(args: argparse.Namespace) -> None:
 def _attach(args: argparse.Namespace) -> None:
     """The same record `moelab train --experiment` would have made, for a run that trained
     without it: runs are cheap to start and the experiment is often named afterwards."""
+    from moelab import outputs
     from moelab.config import config_to_dict
     from moelab.errors import UserError
     from moelab.train.rundir import LAB_RUN_FILE, RunDirLock, current_config_path
@@ -142,9 +143,12 @@ def _attach(args: argparse.Namespace) -> None:
     run_dir, config_file = args.run_dir, current_config_path(args.run_dir)
     if not config_file.is_file():
         raise UserError(f"{run_dir} is not a run directory (no {config_file.name}); pass the "
-                        "--run-dir of a training run")
+                        "RUN_DIR of a training run")
     if (run_dir / LAB_RUN_FILE).exists():
         raise UserError(f"{run_dir} is already attached ({(run_dir / LAB_RUN_FILE).read_text()})")
+    if not outputs.writable(run_dir):  # before the lab is touched
+        raise UserError(f"{run_dir} is not writable: attaching records the lab run in it "
+                        f"({LAB_RUN_FILE}); make it writable or copy the run")
     cfg = load_config(config_file)
     _open(args, "rw").close()  # the lab must exist: `moelab lab new` makes the experiment
     with RunDirLock(run_dir):  # not while a trainer is writing it
@@ -156,7 +160,7 @@ def _attach(args: argparse.Namespace) -> None:
             log.finish("succeeded")
     state = (f"finished at step {steps[-1]}" if finished else
              f"at step {steps[-1] if steps else 0} of {cfg.train.steps}; `moelab train "
-             f"--run-dir {run_dir} --experiment {args.experiment}` continues it")
+             f"{run_dir} --experiment {args.experiment}` continues it")
     print(f"attached {run_dir} to {args.experiment} as {log.run_id} ({len(steps)} steps "
           f"imported, {state})")
 def _predict(args: argparse.Namespace) -> None:

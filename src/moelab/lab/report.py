@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 
 from moelab.lab.records import Event, Experiment, Prediction, Run
 from moelab.lab.store import Store
+from moelab.train.health import DEAD_METRIC
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ X_LABEL = "step (optimizer updates)"
 PLOTS = (
     PlotSpec("loss", "Training loss (predictions as bands)", "loss", "loss (nats/token)",
              marks=("restart", "resume", "config_change", "stage", "branch", "plan_change")),
-    PlotSpec("val_loss", "Validation loss per source", "val_loss",
-             "validation loss (nats/token)"),
+    PlotSpec("val_loss", "Validation loss per source (overfitting marked)", "val_loss",
+             "validation loss (nats/token)", marks=("overfit",)),
     PlotSpec("val_bpb", "Validation bits per byte per domain (tokenizer-independent)",
              "val_bpb", "bits per byte"),
     PlotSpec("task_acc", "Held-out task accuracy (`moelab eval`, ranked classification)",
@@ -49,11 +50,18 @@ PLOTS = (
              "dropped tokens (fraction of routed)"),
     PlotSpec("expert_load", "Expert load, max / mean, per layer", "expert_load_max_over_mean",
              "busiest expert's tokens / mean (ratio)"),
+    # balance health (train/health.py): deaths and revivals marked
+    PlotSpec("dead_experts", "Dead experts per layer (no token for train.dead_expert_window "
+             "steps)", DEAD_METRIC, "dead experts (count)",
+             marks=("expert_dead", "expert_revived")),
+    PlotSpec("router_entropy", "Router entropy per layer", "router_entropy",
+             "mean routing entropy (nats)"),
 )
 # Units of the other metrics the trainer logs, for charts of any metric.
 UNITS = {"lr": "learning rate", "tokens_per_s": "throughput (tokens/s)",
          "mfu": "model FLOPs utilization (fraction of peak)",
-         "val_bpb_macro": "bits per byte, mean over domains"}
+         "val_bpb_macro": "bits per byte, mean over domains",
+         "train_val_gap": "validation minus training loss (nats/token)"}
 
 
 def y_label(metric: str) -> str:
@@ -213,7 +221,8 @@ def tables(view: ExperimentView) -> list[Table]:
         ("Runs", ["run", "status", "last step", "last loss", "directory", "message"], runs),
         ("Predictions", ["name", "metric", "value", "range", "observed", "within range",
                          "registered", "scored against"], predictions),
-        ("Events (restarts, spikes, config changes)", ["run", "step", "kind", "message"], events),
+        ("Events (restarts, spikes, overfitting, config changes)",
+         ["run", "step", "kind", "message"], events),
     ]
 
 

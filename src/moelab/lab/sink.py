@@ -51,8 +51,12 @@ class StoreLab:
             return StoreRun(store, read_json(marker, {"run_id": str})["run_id"]), {}
         changes = ({} if snapshot_change is None else
                    snapshot_changes(store, experiment, config, snapshot_change))
-        run_id = store.start_run(experiment, str(run_dir), config, _parent_run(store, fork))
-        marker.write_text(json.dumps({"run_id": run_id, "experiment": experiment}))
+        # the run dir's record is written inside the store's transaction: a run dir that
+        # cannot take it leaves no run in the lab, and a retry makes exactly one
+        run_id = store.start_run(
+            experiment, str(run_dir), config, _parent_run(store, fork),
+            claim=lambda run_id: marker.write_text(
+                json.dumps({"run_id": run_id, "experiment": experiment})))
         store.import_history(run_id, *history())
         return StoreRun(store, run_id), changes
 

@@ -249,7 +249,7 @@ def render_compare(store: Store, run_ids: list[str], root: str = "../", head: st
                if len(runs) > 1 else "")
             + html_section("Validation loss and bits per byte per source (last value)",
                            ["metric", *header], val_rows)
-            + html_section("Events (restarts, spikes, config changes)",
+            + html_section("Events (restarts, spikes, overfitting, config changes)",
                            ["run", "step", "kind", "message"], event_rows))
     return html_page(title, body, root, charts=True, head=head)
 
@@ -390,7 +390,7 @@ def static_asset(name: str) -> bytes:
                  if f.name.upper().startswith("LICENSE")), "plotly.js is MIT-licensed.")
             return license_text.encode()
     except (ModuleNotFoundError, metadata.PackageNotFoundError) as err:
-        raise UserError("interactive charts need plotly: pip install 'moelab[lab]'") from err
+        raise UserError("interactive charts need plotly: pip install -e '.[lab]'") from err
     raise UserError(f"no static file {name!r}")
 
 

@@ -13,7 +13,7 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -91,7 +91,7 @@ class Store:
         self._mirrors: dict[str, Any] = {}  # run id -> wandb run, for runs started here
         try:
             self._prepare(mode)
-        except sqlite3.DatabaseError as err:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as err:  # text bytes damaged too
             self._db.close()
             raise UserError(
                 f"{self.path} is not a readable moelab lab database ({err}); move it aside "
@@ -177,9 +177,12 @@ class Store:
     # ------------------------------------------------------------------------- runs
 
     def start_run(self, exp_id: str, run_dir: str, config: dict[str, Any],
-                  fork: tuple[str, int] | None = None) -> str:
+                  fork: tuple[str, int] | None = None,
+                  claim: Callable[[str], None] | None = None) -> str:
         """Attach a new run to an experiment (which becomes running) and return its id.
-        `fork`: (parent run id, step) when the run branches from another (W&B fork_from)."""
+        `fork`: (parent run id, step) when the run branches from another (W&B fork_from).
+        `claim(run_id)`: called inside the transaction (the run dir's record of its lab
+        run, say); if it raises, no run is recorded."""
         with self._write() as db:
             experiment = self.get_experiment(exp_id)
             check_transition(experiment, "running")
@@ -190,6 +193,8 @@ class Store:
                 (run_id, exp_id, str(run_dir), _json(config), time.time()),
             )
             db.execute("UPDATE experiments SET status = 'running' WHERE id = ?", (exp_id,))
+            if claim is not None:
+                claim(run_id)
             # Inside the transaction: a mirror that cannot start leaves no run behind.
             if (mirror := start_mirror(run_id, experiment, config, self.path, fork)) is not None:
                 self._mirrors[run_id] = mirror

@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     def command(name: str, help_: str, func) -> argparse.ArgumentParser:
         p = commands.add_parser(name, help=help_)
         p.add_argument("spec", type=Path, help="ladder spec YAML, or a preset name: the specs "
-                       "in the repository's configs/ladder/ (default, blind)")
+                       "in the repository's configs/ladder/dev/ and heldout/ (default, "
+                       "blind, h1_two_stage_30x, ...)")
         p.add_argument("--out", type=Path, default=None,
                        help="ladder directory (default: the spec's out, else runs/ladder/<name>)")
         p.set_defaults(func=func)
@@ -87,13 +88,45 @@ def _plan(args: argparse.Namespace) -> None:
               f"{s['matrix_lr']:>9.3g}  {start}")
     print(f"rungs train {total:.3g} FLOPs; the target {spec.target.compute:.3g} "
           f"({spec.target.compute / max(r.compute for r in spec.rungs):.1f}x the largest rung)")
+    _print_passes(spec)
+
+
+def _print_passes(spec) -> None:
+    """Every run's passes over each source's train tokens, per stage, and whether the
+    pre-registration would refuse the target (moelab.ladder.repetition)."""
+    from moelab.data.passes import passes_lines
+    from moelab.errors import UserError
+    from moelab.ladder import repetition
+
+    try:
+        rep = repetition.repetition(spec)
+    except UserError as err:
+        print(f"passes per source: not counted ({err})")
+        return
+    corpus = repetition.corpus(spec)
+    print(f"passes over each source's train tokens, per stage (in the stage, and by its end); "
+          f"corpus {corpus['path']}, content sha256 {corpus['content_sha256']}:")
+    for name, stages in rep["runs"].items():
+        for i, line in enumerate(passes_lines(stages)):
+            print(f"{name if i == 0 else '':<16} {line}")
+    reason = repetition.refusal(rep)
+    if reason:
+        print(f"pre-registration will refuse: {reason}")
+    elif rep["beyond_rungs"]:
+        print(f"the target passes over {rep['beyond_rungs']} beyond the rungs: accepted by "
+              "fit.accept_repetition")
 
 
 def _run(args: argparse.Namespace) -> None:
+    from moelab import outputs
+    from moelab.ladder.preflight import check_ladder_run
     from moelab.ladder.runner import run_ladder
 
     options = ray_options(args)
-    run_ladder(_spec(args), args.experiment, args.ray, cpus=args.cpus_per_run, **options)
+    spec = _spec(args)
+    check_ladder_run(spec, args.experiment)  # before the first rung trains
+    outputs.mark(spec.out, "ladder run")
+    run_ladder(spec, args.experiment, args.ray, cpus=args.cpus_per_run, **options)
 
 
 def _fit(args: argparse.Namespace) -> None:

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -26,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from moelab.data.passes import max_passes
 from moelab.errors import UserError
+from moelab.ladder import misspec
 from moelab.ladder.curve import REPEAT_DECAY, effective_tokens, schedule_areas
 from moelab.ladder.fit import (
     FitError,
@@ -40,6 +43,8 @@ from moelab.ladder.fit import (
     parametric_interval,
     power_law_refit,
 )
+from moelab.ladder.overfit import fit_overfit
+from moelab.ladder.repetition import run_passes
 from moelab.ladder.results import METRICS, RunResult
 from moelab.ladder.spec import LadderSpec, Rung
 from moelab.train.metrics import flops_per_token
@@ -140,7 +145,9 @@ def forecast(spec: LadderSpec, results: list[RunResult],
                  target.compute)
     laws = _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at)
     laws["curve"] = _curve_law(spec, curve, eval_sd, steps, t_s1, t_s2)
-    law = options.law
+    law = misspec.choose(laws) if options.law == "backtest" else options.law
+    if law != options.law:  # the stage ends follow the law chosen for the final
+        spec = dataclasses.replace(spec, fit=dataclasses.replace(options, law=law))
     if "value" not in laws[law]:
         raise FitError(f"the pre-registered law {law!r} could not be fitted: "
                        f"{laws[law]['skipped']}")
@@ -155,6 +162,15 @@ def forecast(spec: LadderSpec, results: list[RunResult],
            "stability": _stability_forecast(spec, results),
            "lr_check": _lr_check(spec, results, lr_results),
            "fit_options": asdict(options)}
+    if options.misspecification:
+        out["law_choice"] = {
+            "rule": ("the smallest misspecification rate in the rungs' extrapolating backtests"
+                     if options.law == "backtest" else "named by fit.law"),
+            "rates": {k: v["misspecification"].get("rate_per_ln_compute")
+                      for k, v in laws.items() if "misspecification" in v},
+            "chosen": law}
+        out["coverage"] = chosen.get("misspecification", {}).get("coverage")
+        out["prediction"]["laws_disagree"] = misspec.disagreement(laws, law)
     if target.config.plan.staged:
         out["stages"] = _stage_forecasts(spec, results, laws, unique,
                                          dict(zip(steps.tolist(), t_s1.tolist(), strict=True)))
@@ -164,7 +180,36 @@ def forecast(spec: LadderSpec, results: list[RunResult],
             out["prediction"] = {**prediction, "value": last["value"], "low": last["low"],
                                  "high": last["high"], "law": "gain", "at_bound": [],
                                  "method": laws["gain"]["interval"]["method"]}
+    if options.repetition == "measured":  # the law fitted on the rungs' own repetition
+        laws["repetition"] = measured = _measured_repetition(spec, rows, options.confidence)
+        out["repetition"] = {**out["repetition"], "measured": measured["fit"],
+                             "target_passes": measured["target_passes"]}
+        iv = measured["interval"]
+        out["prediction"] = {**out["prediction"], "value": measured["value"], "low": iv["low"],
+                             "high": iv["high"], "law": "repetition", "at_bound": [],
+                             "method": iv["method"]}
     return out
+
+
+def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], confidence: float
+                         ) -> dict[str, Any]:
+    """fit.repetition: measured. The law that can rise with passes (moelab.ladder.overfit)
+    fitted to every point's (N, D, its largest passes over any source, mean loss), as the
+    rungs' plans draw their corpora; its value and interval at the target, and beside it
+    Muennighoff's decay fitted to the same points (its R* by the published 15.39)."""
+    runs = {r.name: r for r in spec.rungs}
+
+    def most(rung: Rung) -> float:
+        return max(max_passes(run_passes(rung)).values(), default=0.0)
+
+    passes = [most(runs[row["runs"][0]]) for row in rows]
+    fit = fit_overfit([r["active_params"] for r in rows], [r["tokens"] for r in rows],
+                      passes, [r["mean"] for r in rows], confidence)
+    target = spec.target
+    target_passes = most(target)
+    iv = fit.interval(target.active_params, target.tokens, max(target_passes, 1e-9))
+    return {"value": iv["value"], "interval": iv, "fit": {**fit.to_dict(), "passes": passes},
+            "target_passes": target_passes}
 
 
 def _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at) -> dict[str, Any]:
@@ -176,8 +221,8 @@ def _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at) -> dict[st
     laws: dict[str, Any] = {}
 
     def samples(name: str) -> int:
-        return options.bootstrap if name == options.law else min(options.bootstrap,
-                                                                 SECONDARY_BOOTSTRAP)
+        return options.bootstrap if options.law in (name, "backtest") else min(
+            options.bootstrap, SECONDARY_BOOTSTRAP)
 
     def bootstrap(name: str, refit, fitted, sd, value) -> dict:
         return parametric_interval(refit, fitted, sd, seed_sd, value, samples(name),
@@ -196,6 +241,12 @@ def _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at) -> dict[st
                                   float(nd.predict(tn, td))),
             "backtest": _backtest(levels, y, lambda m: fit_chinchilla(
                 n[m], d[m], y[m], start).predict(n[~m], d[~m]))}
+        if options.misspecification:
+            top = np.log(c[levels == levels.max()]).mean()
+            misspec.widen(laws["chinchilla"],
+                          misspec.extrapolations(laws["chinchilla"]["backtest"], levels, c),
+                          float(np.log(tc) - top), options.confidence,
+                          float(seed_sd / np.mean(y)))
     except FitError as err:
         laws["chinchilla"] = {"skipped": str(err)}
     try:
@@ -220,8 +271,8 @@ def _curve_law(spec: LadderSpec, curve: dict[str, list], eval_sd: float, steps: 
     cn, cs1, cs2, cy = (np.array(curve[k], float) for k in ("n", "s1", "s2", "loss"))
     curve_sd = np.full(len(cy), eval_sd) / np.sqrt([len(g) for g in curve["groups"]])
     curve_levels = compute_levels(np.array(curve["level"]))
-    samples = options.bootstrap if options.law == "curve" else min(options.bootstrap,
-                                                                   SECONDARY_BOOTSTRAP)
+    samples = options.bootstrap if options.law in ("curve", "backtest") else min(
+        options.bootstrap, SECONDARY_BOOTSTRAP)
     try:
         cf = fit_curve(cn, cs1, cs2, cy, form=form)
         cstart = curve_theta(cf)
@@ -233,7 +284,7 @@ def _curve_law(spec: LadderSpec, curve: dict[str, list], eval_sd: float, steps: 
         band = _curve_band(_safe(curve_refit), cf.predict(cn, cs1, cs2), curve_sd, eval_sd,
                            samples, options.confidence, options.seed)
         per_step = target.config.data.batch_size * target.config.data.seq_len
-        return {
+        law = {
             "fit": cf.to_dict(), "value": float(path[-1]),
             "interval": {"low": min(float(band[0][-1]), float(path[-1])),
                          "high": max(float(band[1][-1]), float(path[-1])),
@@ -249,6 +300,13 @@ def _curve_law(spec: LadderSpec, curve: dict[str, list], eval_sd: float, steps: 
                 cn[m], cs1[m], cs2[m], cy[m], cstart, form).predict(cn[~m], cs1[~m], cs2[~m])),
             "extrapolation": {**_curve_reach(cn, cs1, cs2, cy, cstart, t_s1, t_s2, form),
                               "epochs": _epochs(spec)}}
+        if options.misspecification:
+            levels_c = np.array(curve["level"])
+            top = np.log(levels_c[curve_levels == curve_levels.max()]).mean()
+            misspec.widen(law, misspec.extrapolations(law["backtest"], curve_levels, levels_c),
+                          float(np.log(target.compute) - top), options.confidence,
+                          float(eval_sd / np.mean(cy)))
+        return law
     except FitError as err:
         return {"skipped": str(err)}
 

@@ -64,6 +64,17 @@ def build_report(spec: LadderSpec, record: dict[str, Any], actual: RunResult) ->
         "preregistration": {"file": prereg.PREREG_FILE, "created_at": record["created_at"],
                             "sha256": record["sha256"]},
         "code_version": record["code_version"],
+        # older pre-registrations counted neither (None)
+        "corpus": record.get("corpus"),
+        "passes": record.get("passes"),
+        # fit.repetition: measured (None otherwise): the rising law's fit, Muennighoff's
+        # decay fitted beside the published R*
+        "repetition_measured": record.get("repetition", {}).get("measured"),
+        # fit.misspecification (None before it): the backtests' coverage of their intervals,
+        # how the law was chosen, whether the laws disagree by more than the interval
+        "coverage": record.get("coverage"),
+        "law_choice": record.get("law_choice"),
+        "laws_disagree": p.get("laws_disagree"),
         "wall_s": wall,
         "time_s": {"runs": seconds, "wall_total": wall,
                    "cpu_total": sum(t["cpu_s"] for t in seconds.values())},
@@ -99,6 +110,49 @@ def _stage_lines(stages: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _passes_lines(passes: dict[str, Any] | None, corpus: dict[str, Any] | None) -> list[str]:
+    """The target's and the rungs' passes per source, and the corpus's content hash."""
+    if not passes:
+        return []
+    cells = ", ".join(f"{s} {p:.2f} (rungs at most {passes['rungs_max'].get(s, 0.0):.2f})"
+                      for s, p in passes["target"].items())
+    note = (f"; past the rungs over {', '.join(passes['beyond_rungs'])}, accepted by "
+            "fit.accept_repetition" if passes["beyond_rungs"] else "")
+    return [f"- passes over each source's train tokens by the target's end: {cells}{note}; "
+            f"corpus {corpus['path']} (content sha256 `{corpus['content_sha256']}`)"]
+
+
+def _repetition_lines(measured: dict[str, Any] | None) -> list[str]:
+    """The measured repetition cost beside the published decay, if the spec measured it."""
+    if not measured:
+        return []
+    iv, m = measured["P_interval"], measured["muennighoff"]
+    decay = (f"Muennighoff's decay fitted to the same rungs: R* {m['r_star']:.3g} "
+             f"(published {m['published_r_star']}), rmse {m['rmse']:.4f}"
+             if "r_star" in m else f"Muennighoff's decay not fitted ({m['skipped']})")
+    return [f"- repetition measured on the rungs ({measured['formula']}): P "
+            f"{measured['P']:.4g} [{iv['low']:.4g}, {iv['high']:.4g}] "
+            f"({measured['confidence']:.0%}), r {measured['r']:.3g}, s {measured['s']:.3g}, "
+            f"rmse {measured['rmse']:.4f}; {decay}"]
+
+
+def _misspec_lines(report: dict[str, Any]) -> list[str]:
+    """The law's choice, the backtests' coverage and the laws' disagreement, if recorded."""
+    lines = []
+    if report["law_choice"]:
+        c = report["law_choice"]
+        rates = ", ".join(f"{k} {v:.4f}" for k, v in c["rates"].items() if v is not None)
+        lines.append(f"- law `{c['chosen']}` ({c['rule']}; misspecification rate per ln C: "
+                     f"{rates})")
+    cov = report["coverage"]
+    if cov and cov["n"]:
+        lines.append(f"- coverage over the rungs' extrapolating backtests: {cov['measured']:.0%}"
+                     f" inside their {cov['nominal']:.0%} intervals (n = {cov['n']})")
+    if report["laws_disagree"]:
+        lines.append(f"- {report['laws_disagree']['note']}")
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     iv, noise = report["interval"], report["noise"]
     lines = [
@@ -121,6 +175,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"- seed noise: sd {noise['seed_sd']:.4f} nats per run at the end ({noise['dof']} "
         f"dof, {noise['source']}); {noise['eval_sd']:.4f} per evaluation point",
         f"- target at {report['compute_ratio']:.1f}x the largest rung's compute",
+        *_passes_lines(report["passes"], report["corpus"]),
+        *_repetition_lines(report["repetition_measured"]),
+        *_misspec_lines(report),
         "", f"Interval: {iv['method']}.", "",
         "| law | predicted | relative error | inside its interval |", "|---|---|---|---|"]
     for name, law in report["laws"].items():

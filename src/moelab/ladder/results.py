@@ -86,11 +86,21 @@ def check_run_dir(rung: Rung, path: Path) -> None:
         same = False
     if not same:
         now = config_to_dict(rung.config)
-        changed = sorted(f"{section}.{k}" for section, fields in now.items()
-                         for k, v in fields.items() if (raw.get(section) or {}).get(k) != v)
+        changed = sorted(
+            f"{section}.{k}" if isinstance(fields, dict) else section
+            for section, fields in now.items()
+            for k, v in (fields.items() if isinstance(fields, dict) else [("", fields)])
+            if (_section(raw, section).get(k) if isinstance(fields, dict)
+                else raw.get(section)) != v)
         raise UserError(f"{path} holds a run of a different config than {rung.name}'s (changed: "
                         f"{', '.join(changed) or 'unreadable config.yaml'}); delete that "
                         "directory to retrain it, or run the ladder with another --out")
+
+
+def _section(raw: dict, name: str) -> dict:
+    """A section of a run's saved config, {} where it is missing or not a mapping."""
+    section = raw.get(name)
+    return section if isinstance(section, dict) else {}
 
 
 def source_weights(config) -> dict[str, float]:

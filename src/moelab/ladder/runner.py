@@ -17,7 +17,7 @@ from typing import Any
 from moelab.config import config_to_dict
 from moelab.errors import UserError
 from moelab.jobs import Job, run_jobs
-from moelab.ladder import prereg
+from moelab.ladder import prereg, repetition
 from moelab.ladder.predict import forecast
 from moelab.ladder.report import write_report
 from moelab.ladder.results import (
@@ -91,6 +91,7 @@ def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[Run
                             f"{path}; a prediction made now would not be a pre-registration. "
                             "Delete the target's directory to train it afresh")
         by_name = {r.name: r for r in [*results, *lr_results]}
+        passes = repetition.check(spec)  # refuses a target past the rungs' repetition
         record = {
             "kind": prereg.KIND, "ladder": spec.name, "created_at": prereg.utc_now(),
             **forecast(spec, results, lr_results),
@@ -101,12 +102,15 @@ def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[Run
             "target": {**spec.target.summary(), "config": config_to_dict(spec.target.config),
                        "config_sha256": hashes[spec.target.name]},
             "code_version": prereg.code_version(),
+            "corpus": repetition.corpus(spec), "passes": passes,
         }
         if prereg.write_once(path, record):
             p = record["prediction"]
             print(f"[ladder {spec.name}] pre-registered {path}: target val_loss "
                   f"{p['value']:.4f} [{p['low']:.4f}, {p['high']:.4f}] "
                   f"({p['confidence']:.0%}, law {p['law']})", flush=True)
+            if p.get("laws_disagree", {}).get("exceeds"):
+                print(f"[ladder {spec.name}] {p['laws_disagree']['note']}", flush=True)
     record = read_preregistration(spec)
     if experiment:
         _register_in_lab(spec, record, experiment)
@@ -160,6 +164,11 @@ def run_ladder(spec: LadderSpec, experiment: str | None = None, ray: str | None 
     which waits for every rung. Either way each run trains with the same config and seed,
     so the numbers are the same."""
 
+    from moelab.train import trainer
+
+    trainer.prepared_data(spec.target.config)  # the corpus whose passes are counted
+    if not (spec.out / prereg.PREREG_FILE).exists():  # else it was decided when registered
+        repetition.check(spec)  # a target past the rungs' repetition: refused before they train
     spec.out.mkdir(parents=True, exist_ok=True)
     before = spec.rungs + spec.lr_runs
     done = train_runs([(spec, before)], experiment, ray, cpus, **ray_options)

@@ -40,6 +40,7 @@ from typing import Any
 
 from moelab.config import Config, ConfigError, config_from_dict, config_to_dict, preset_or_file
 from moelab.ladder.fit import CURVE_FORMS
+from moelab.ladder.overfit import NAMES as OVERFIT_PARAMS
 from moelab.schema import brief, read_yaml
 from moelab.train.metrics import active_params, flops_per_token, total_params
 from moelab.train.optimizer import width_factor
@@ -47,6 +48,7 @@ from moelab.train.optimizer import width_factor
 MIN_POINTS = 3  # L(C) has three parameters; more points leave residuals to check it by
 MIN_TARGET_RATIO = 8.0  # the target's compute over the largest rung's, at least
 SPEC_KEYS = {"name", "out", "base", "seeds", "evals", "rungs", "target", "lr_check", "fit"}
+REPETITION = ("muennighoff", "none", "measured")  # fit.repetition's values
 RUNG_KEYS = {"name", "seeds", "branches"}  # besides config sections
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a rung's name is its run directory
 
@@ -57,7 +59,9 @@ class FitOptions:
     confidence: float = 0.9  # two-sided coverage of the interval
     seed: int = 0  # of the bootstrap's resampling
     noise_sd: float | None = None  # per-run seed sd (nats) when the spec has no replicates
-    law: str = "chinchilla"  # whose value is the prediction: chinchilla | compute | curve
+    # whose value is the prediction: chinchilla | compute | curve | backtest (the law with
+    # the smallest extrapolation error in the rungs' backtests; needs misspecification)
+    law: str = "chinchilla"
     # the whole-curve law's form (moelab.ladder.curve): "q" (chosen by the rung-only
     # backtests of bench/curve_law_study.py) or "tissue" (Tissue et al. 2024's)
     curve_law: str = "q"
@@ -66,7 +70,10 @@ class FitOptions:
     stage_law: str | None = None
     # repeated data: "muennighoff" counts tokens past one pass over the corpus at what they
     # are worth (moelab.ladder.curve.REPEAT_DECAY) in L(N, D)'s D and the curve law's S1;
-    # "none" counts every token the same
+    # "none" counts every token the same; "measured": the prediction is the law that can
+    # rise with passes (moelab.ladder.overfit), fitted on the rungs themselves, so some rungs
+    # must repeat the target's corpus (trained for 2 to 16 passes over it); the other laws
+    # still count repeats by "muennighoff"
     repetition: str = "muennighoff"
     # true: the end of every stage after the first is the previous stage end's value times
     # one minus the stage's relative loss gain, which every rung measures at the same
@@ -76,6 +83,16 @@ class FitOptions:
     # what is fitted and predicted: "loss" (CE, mixture-weighted over sources) or
     # "bpb_macro" (bits per byte, every source weighing the same; tokenizer-independent)
     metric: str = "loss"
+    # true: pre-register a target that passes over some source more often than every rung
+    # did (and more than once), a regime the rungs never measured; false: refuse it
+    # (moelab.ladder.repetition)
+    accept_repetition: bool = False
+    # true: every law's interval adds a misspecification term estimated from the ladder's
+    # own extrapolating backtests, scaled by the target's distance past the top compute
+    # level (moelab.ladder.misspec), and the record states the backtests' coverage and
+    # whether the laws disagree by more than the interval; `law: backtest` then picks the
+    # law with the smallest backtest error rate. false: seed noise only (specs before it)
+    misspecification: bool = False
 
 
 @dataclass(frozen=True)
@@ -284,15 +301,24 @@ def _fit_options(raw: Any) -> FitOptions:
     if options.metric not in ("loss", "bpb_macro"):
         raise ConfigError(f"fit.metric: {options.metric!r} is not one of ['loss', 'bpb_macro']")
     laws = ("chinchilla", "compute", "curve")
-    if options.law not in laws:
-        raise ConfigError(f"fit.law: {options.law!r} is not one of {list(laws)}")
+    if not isinstance(options.misspecification, bool):
+        raise ConfigError(f"fit.misspecification: must be true or false, got "
+                          f"{options.misspecification!r}")
+    if options.law == "backtest" and not options.misspecification:
+        raise ConfigError("fit.law: backtest chooses by the misspecification backtests; set "
+                          "fit.misspecification: true, or name the law")
+    if options.law not in (*laws, "backtest"):
+        raise ConfigError(f"fit.law: {options.law!r} is not one of {[*laws, 'backtest']}")
     if options.stage_law is not None and options.stage_law not in laws:
         raise ConfigError(f"fit.stage_law: {options.stage_law!r} is not one of {list(laws)}")
     if not isinstance(options.stage_gain, bool):
         raise ConfigError(f"fit.stage_gain: must be true or false, got {options.stage_gain!r}")
-    if options.repetition not in ("muennighoff", "none"):
+    if not isinstance(options.accept_repetition, bool):
+        raise ConfigError(f"fit.accept_repetition: must be true or false, got "
+                          f"{options.accept_repetition!r}")
+    if options.repetition not in REPETITION:
         raise ConfigError(f"fit.repetition: {options.repetition!r} is not one of "
-                          "['muennighoff', 'none']")
+                          f"{list(REPETITION)}")
     if options.curve_law not in CURVE_FORMS:
         raise ConfigError(f"fit.curve_law: {options.curve_law!r} is not one of "
                           f"{sorted(CURVE_FORMS)}")
@@ -396,6 +422,17 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
     validate_compute(rungs, target)
     lr_runs = _lr_runs(raw.get("lr_check"), rungs)
     fit = _fit_options(raw.get("fit"))
+    if fit.repetition == "measured" and len(spec_points := {r.point for r in rungs}) < len(
+            OVERFIT_PARAMS):
+        raise ConfigError(f"fit.repetition: measured fits a law of {len(OVERFIT_PARAMS)} "
+                          f"parameters and needs as many rung points, got {len(spec_points)}; "
+                          "add rungs (e.g. one width at 1, 2, 4, 8 and 16 passes over the corpus)")
+    if fit.repetition == "measured" and (paths := sorted(
+            {r.config.data.path for r in rungs} - {target.config.data.path})):
+        raise ConfigError(f"fit.repetition: measured compares the rungs' losses with the "
+                          f"target's, so they must share its corpus ({target.config.data.path}"
+                          f"), but rungs train on {paths}: another corpus has its own "
+                          "tokenizer and val split; repeat data by training longer instead")
     if fit.stage_gain and not target.config.plan.staged:
         raise ConfigError("fit.stage_gain: the plan has one stage, so there is no stage gain "
                           "to fit; add `stages:` to base, or drop stage_gain")
@@ -405,14 +442,16 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
 
 # The ladder presets are the specs in the repository's configs/ladder/ (they name their
 # committed results), found beside the source tree: a checkout installed with `pip install
-# -e .`, as the README's set-up does. A name that is not a file is looked up there.
+# -e .`, as the README's set-up does. A name that is not a file is looked up there, in its
+# dev/ (the specs methods are chosen on) and heldout/ (written before they ran) folders.
 LADDER_PRESETS = Path(__file__).resolve().parents[3] / "configs" / "ladder"
 
 
 def load_spec(path: str | Path, out: str | Path | None = None) -> LadderSpec:
     """A ladder spec from a YAML file or a preset name (`default` is
-    configs/ladder/default.yaml, see LADDER_PRESETS)."""
-    presets = {p.stem: p for p in sorted(LADDER_PRESETS.glob("*.yaml"))}
+    configs/ladder/dev/default.yaml, see LADDER_PRESETS)."""
+    found = [*LADDER_PRESETS.glob("*.yaml"), *LADDER_PRESETS.glob("*/*.yaml")]
+    presets = {p.stem: p for p in sorted(found)}
     path = preset_or_file(path, presets, "ladder spec")
     if not path.is_file():
         raise ConfigError(f"ladder spec {path} does not exist")

@@ -1,10 +1,14 @@
 """Grouped-query causal self-attention with QK-norm and rotary embeddings.
 
 QK-norm (an RMSNorm over each head's queries and keys before RoPE) bounds attention
-logits; it was the key fix for loss spikes in large open runs.
+logits; it was the key fix for loss spikes in large open runs. Without a KV cache the causal
+attention runs as `model.attention_impl` says (CAUSAL_ATTENTION): "dense" below, or
+"chunked", the online-softmax blocks of model/flash.py.
 """
 
 from __future__ import annotations
+
+import math
 
 import equinox as eqx
 import jax
@@ -12,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from moelab.config import ModelConfig
+from moelab.model.flash import chunked_attention
 from moelab.model.layers import RMSNorm, apply_rope, linear, normal
 
 # Causal attention without a cache runs in at most MAX_QUERY_CHUNKS query chunks, unrolled,
@@ -58,6 +63,8 @@ class Attention(eqx.Module):
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     logit_scale: float = eqx.field(static=True, default=1.0)  # model.attn_logit_scale
+    impl: str = eqx.field(static=True, default="dense")  # model.attention_impl
+    chunk: int = eqx.field(static=True, default=256)  # model.attention_chunk
 
     @classmethod
     def init(cls, cfg: ModelConfig, key: PRNGKeyArray) -> Attention:
@@ -69,7 +76,8 @@ class Attention(eqx.Module):
                    wv=normal(kvk, (cfg.d_model, kv * hd), cfg.init_std),
                    wo=normal(ko, (h * hd, cfg.d_model), cfg.init_std),
                    q_norm=norm(), k_norm=norm(), n_heads=h, n_kv_heads=kv, head_dim=hd,
-                   logit_scale=cfg.attn_logit_scale)
+                   logit_scale=cfg.attn_logit_scale, impl=cfg.attention_impl,
+                   chunk=cfg.attention_chunk)
 
     def __call__(
         self,
@@ -90,10 +98,8 @@ class Attention(eqx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:  # query chunk by chunk, each against the keys it can see
-            chunk = self._attend_short if s <= SHORT_LIMIT else self._attend_long
-            out = jnp.concatenate([chunk(q[:, a:e], k[:, :e], v[:, :e], a, segments)
-                                   for a, e in causal_chunks(s)], axis=1)
+        if cache is None:
+            out = CAUSAL_ATTENTION[self.impl](self, q, k, v, segments)
         else:
             write = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
                 old, new.astype(old.dtype), cache_index, 1)
@@ -102,6 +108,17 @@ class Attention(eqx.Module):
             mask = _causal(cache_index, s, k.shape[1])
             out = self._attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
         return linear(out.reshape(b, s, -1), self.wo), cache
+
+    def _dense(self, q: Array, k: Array, v: Array, segments: Array | None) -> Array:
+        """Query chunk by chunk, each against the keys it can see (`causal_chunks`)."""
+        chunk = self._attend_short if q.shape[1] <= SHORT_LIMIT else self._attend_long
+        return jnp.concatenate([chunk(q[:, a:e], k[:, :e], v[:, :e], a, segments)
+                                for a, e in causal_chunks(q.shape[1])], axis=1)
+
+    def _chunked(self, q: Array, k: Array, v: Array, segments: Array | None) -> Array:
+        """Key/value blocks with an online softmax, recomputed in backward (model/flash.py)."""
+        return chunked_attention(q, k, v, self.logit_scale / math.sqrt(self.head_dim),
+                                 self.chunk, segments)
 
     def _attend_short(self, q: Array, k: Array, v: Array, first: int,
                       segments: Array | None) -> Array:
@@ -151,6 +168,10 @@ class Attention(eqx.Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         out = jnp.einsum("zqt,ztk->zqk", probs, heads_first(v))
         return out.reshape(b, n, groups, s, hd).transpose(0, 3, 1, 2, 4)
+
+
+# model.attention_impl -> how causal attention without a cache runs: (attn, q, k, v, segments)
+CAUSAL_ATTENTION = {"dense": Attention._dense, "chunked": Attention._chunked}
 
 
 def _mask(first: Array | int, queries: int, keys: int, segments: Array | None) -> Array:

@@ -2,6 +2,8 @@
 
   scores  = softmax(x W_r)  or  sigmoid(x W_r)            [T, E]
   experts = top_k(scores + bias)      (bias: selection only, never weights nor gradient)
+            with moe.n_group > 1, only among the experts of the topk_group groups whose
+            two best (biased) scores sum highest (DeepSeek-V3's group-limited routing)
   weights = scores[experts] (renormalized to sum 1 if asked) * routed_scaling
   aux     = E * sum_e f_e * P_e        (Switch; f_e = share of assignments, P_e = mean prob)
   seq_aux = the same per sequence, averaged over sequences (DeepSeek-V3's complementary
@@ -56,7 +58,7 @@ def route(
     choice = scores
     if bias is not None:
         choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
-    _, experts = jax.lax.top_k(choice, moe.top_k)
+    _, experts = jax.lax.top_k(group_limited(choice, moe.n_group, moe.topk_group), moe.top_k)
     top_scores = jnp.take_along_axis(scores, experts, axis=-1)
     if moe.normalize_top_k:
         top_scores = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True)
@@ -77,6 +79,20 @@ def route(
                        else jnp.zeros(moe.n_experts)),
     )
     return Routing(experts, top_scores), stats
+
+
+def group_limited(choice: Float[Array, "B S E"], n_group: int, topk_group: int
+                  ) -> Float[Array, "B S E"]:
+    """`choice` with -inf for every expert outside the token's topk_group best groups, a
+    group scoring the sum of its two best choice scores (DeepSeek-V3, transformers'
+    Glm4MoeTopkRouter). n_group 1 leaves every expert eligible."""
+    if n_group == 1:
+        return choice
+    grouped = choice.reshape(*choice.shape[:-1], n_group, -1)  # [B, S, G, E/G]
+    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], -1)  # [B, S, G]
+    kept = jax.lax.top_k(group_score, topk_group)[1]
+    eligible = jnp.any(jax.nn.one_hot(kept, n_group) > 0, axis=-2)  # [B, S, G]
+    return jnp.where(eligible[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
 
 def uniform_choice(

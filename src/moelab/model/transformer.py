@@ -66,6 +66,9 @@ class Transformer(eqx.Module):
     final_norm: RMSNorm
     lm_head: Float[Array, "D V"] | None  # None when tied to the embedding
     cfg: ModelConfig = eqx.field(static=True)
+    # multi-token prediction modules (model/mtp.py), trained beside the model, used by the
+    # training loss only; None without them (mtp.depth 0) and in every inference path
+    mtp: eqx.Module | None = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, moe: MoEConfig, key: PRNGKeyArray) -> Transformer:
@@ -89,26 +92,51 @@ class Transformer(eqx.Module):
         caches: Caches | None = None,
         cache_index: Array | int = 0,
         segments: Int[Array, "B S"] | None = None,
+        positions: Int[Array, "B S"] | None = None,
     ) -> tuple[Float[Array, "B S V"], MoEStats | None, Caches | None]:
         """Logits for every position, per-MoE-layer stats stacked [L_moe], updated caches.
-        `segments` (training, no cache): attention stays within equal ids (`short_segments`)."""
-        b, s = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
-        cos, sin = rope_angles(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta,
-                               self.cfg.rope)
+        `segments` (training, no cache): attention stays within equal ids (`short_segments`).
+        `positions`: RoPE positions (packed conversations restart at 0 in each segment);
+        None = 0.. from cache_index."""
+        x, stats, caches = self.hidden(tokens, caches, cache_index, segments, positions)
+        return self.logits(x), stats, caches
+
+    def hidden(
+        self,
+        tokens: Int[Array, "B S"],
+        caches: Caches | None = None,
+        cache_index: Array | int = 0,
+        segments: Int[Array, "B S"] | None = None,
+        positions: Int[Array, "B S"] | None = None,
+    ) -> tuple[Float[Array, "B S D"], MoEStats | None, Caches | None]:
+        """The last layer's output (before the final norm), as `__call__` otherwise."""
         with jax.named_scope("embed"):
             x = self.embed[tokens]
-        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        cos, sin = self.angles(tokens.shape, cache_index, x.dtype, positions)
         dense_cache, moe_cache = caches if caches is not None else (None, None)
         x, _, dense_cache = self._run(self.dense_layers, x, cos, sin, dense_cache, cache_index,
                                       segments)
         x, stats, moe_cache = self._run(self.moe_layers, x, cos, sin, moe_cache, cache_index,
                                         segments)
+        return x, stats, (dense_cache, moe_cache) if caches is not None else None
+
+    def logits(self, x: Float[Array, "... D"], norm: RMSNorm | None = None) -> Array:
+        """The output head: norm (the final norm by default) then W_out, in float32."""
         with jax.named_scope("head"):
-            x = self.final_norm(x)
+            x = (norm or self.final_norm)(x)
             head = self.embed.T if self.lm_head is None else self.lm_head
-            logits = linear(x, head).astype(jnp.float32)
-        return logits, stats, (dense_cache, moe_cache) if caches is not None else None
+            return linear(x, head).astype(jnp.float32)
+
+    def angles(self, shape: tuple[int, int], cache_index: Array | int, dtype,
+               positions: Array | None = None) -> tuple[Array, Array]:
+        """RoPE's cos and sin [B, S, head_dim] for positions cache_index.. of a [B, S] batch
+        (or the given positions [B, S]: packed conversations restart in each segment)."""
+        b, s = shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s) + cache_index, (b, s))
+        cos, sin = rope_angles(positions, self.cfg.resolved_head_dim, self.cfg.rope_theta,
+                               self.cfg.rope)
+        return cos.astype(dtype), sin.astype(dtype)
 
     def _run(self, stack: Block | None, x, cos, sin, cache: KVCache | None, cache_index,
              segments=None):
@@ -153,18 +181,21 @@ class Transformer(eqx.Module):
 
 
 def with_model_config(model: Transformer, cfg: ModelConfig) -> Transformer:
-    """The same arrays under another model config that shapes nothing: a stage's RoPE and
-    attention-logit multiplier (config/plan.py's STAGE_MODEL_FIELDS). Both are static fields
-    (the model's cfg, each attention's logit_scale), so a jitted step retraces for them."""
-    scale = lambda node: (dataclasses.replace(node, logit_scale=cfg.attn_logit_scale)
-                          if isinstance(node, Attention) else node)
+    """The same arrays under another model config that shapes nothing: a stage's RoPE,
+    attention-logit multiplier and attention implementation (config/plan.py's
+    STAGE_MODEL_FIELDS). All are static fields (the model's cfg, each attention's
+    logit_scale, impl, chunk), so a jitted step retraces for them."""
+    scale = lambda node: (dataclasses.replace(
+        node, logit_scale=cfg.attn_logit_scale, impl=cfg.attention_impl,
+        chunk=cfg.attention_chunk) if isinstance(node, Attention) else node)
     model = jax.tree.map(scale, model, is_leaf=lambda node: isinstance(node, Attention))
     return dataclasses.replace(model, cfg=cfg)
 
 
 def with_dropless_dispatch(model: Transformer, block_size: int | None = None) -> Transformer:
     """The same weights, routed with dropless dispatch (block_size: the CPU kernel's rows
-    per block; None keeps the model's)."""
+    per block; None keeps the model's), without the training-only MTP modules."""
+    model = dataclasses.replace(model, mtp=None)
     moe = next((b.ffn.moe for b in model.blocks if isinstance(b.ffn, MoE)), None)
     if moe is None:
         return model  # all layers dense

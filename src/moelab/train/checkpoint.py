@@ -20,7 +20,6 @@ is stored beside them and checked before anything is restored.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -36,11 +35,13 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from moelab.config import Config, config_from_dict, config_to_dict
+from moelab.config import Config, config_from_dict, config_to_dict, data_dir
 from moelab.config.plan import stage_config
 from moelab.errors import DivergenceError, UserError
+from moelab.outputs import file_sha256
 from moelab.parallel.mesh import is_tensor  # arrays or their shapes: restore templates
 from moelab.schema import MapOf, Number, SchemaError, brief, check, read_json
+from moelab.train import identity
 from moelab.train.rundir import CHECKPOINT_DIR, QUARANTINE_DIR
 
 INTEGRITY_FILE = "integrity.json"
@@ -58,26 +59,22 @@ SHAPE_FIELDS = {
     "model": ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
               "n_dense_layers", "d_ff_dense", "qk_norm", "tie_embeddings"],
     "moe": ["n_experts", "top_k", "shared_expert", "d_ff_shared"],
+    "mtp": ["depth"],
 }
 
 
 def shape_mismatches(saved: dict, cfg: Config) -> list[str]:
-    now = config_to_dict(cfg)
-    return [f"{section}.{name}: checkpoint {brief(saved[section].get(name))}, "
+    """A field a checkpoint's config lacks (written before the field existed) has its
+    default, as when that config is loaded."""
+    now, default = config_to_dict(cfg), config_to_dict(Config())
+    was = lambda section, name: saved.get(section, {}).get(name, default[section][name])
+    return [f"{section}.{name}: checkpoint {brief(was(section, name))}, "
             f"config {brief(now[section][name])}"
             for section, names in SHAPE_FIELDS.items() for name in names
-            if saved.get(section, {}).get(name) != now[section][name]]
+            if was(section, name) != now[section][name]]
 
 
 # ------------------------------------------------------------------------- integrity
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _files(step_dir: Path) -> dict[str, Path]:
@@ -87,7 +84,7 @@ def _files(step_dir: Path) -> dict[str, Path]:
 
 def write_integrity(step_dir: Path) -> None:
     """Record every file's size and sha256; atomically, so the record is whole or absent."""
-    record = {name: {"size": p.stat().st_size, "sha256": _digest(p)}
+    record = {name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
               for name, p in _files(step_dir).items()}
     tmp = step_dir / f".{INTEGRITY_FILE}.tmp"
     with open(tmp, "w") as f:
@@ -113,7 +110,7 @@ def verify_step(step_dir: Path) -> str | None:
         size = path.stat().st_size
         if size != want["size"]:
             return f"{name} has {size} bytes, {want['size']} were written"
-        if _digest(path) != want["sha256"]:
+        if file_sha256(path) != want["sha256"]:
             return f"{name} does not match its sha256 (damaged on disk)"
     return None
 
@@ -291,7 +288,7 @@ class Checkpointer:
         if mismatches:
             raise UserError(
                 f"checkpoint {step} in {self.directory} was written by an incompatible "
-                f"config ({'; '.join(mismatches)}); use a new --run-dir or the original config")
+                f"config ({'; '.join(mismatches)}); use a new RUN_DIR or the original config")
         params, static = eqx.partition(model, is_tensor)
         templates = {"params": jax.tree.leaves(params), "opt": jax.tree.leaves(opt_state)}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, templates)
@@ -330,7 +327,7 @@ class Checkpointer:
         if steps:
             raise UserError(f"every checkpoint in {self.directory} is damaged (steps "
                             f"{', '.join(map(str, steps))}; reasons above); use a new "
-                            "--run-dir to start over")
+                            "RUN_DIR to start over")
         return None
 
     def _reject(self, step: int, reason: str) -> None:
@@ -355,7 +352,7 @@ def verify_run(run_dir: str | Path) -> list[tuple[int, str | None]]:
     """(step, reason or None) for every checkpoint of a run, oldest first; read-only."""
     directory = Path(run_dir) / CHECKPOINT_DIR
     if not directory.is_dir():
-        raise UserError(f"no checkpoints in {directory}; pass the --run-dir of a training run")
+        raise UserError(f"no checkpoints in {directory}; pass the RUN_DIR of a training run")
     steps = sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
     return [(step, verify_step(directory / str(step))) for step in steps]
 
@@ -366,7 +363,7 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
     the stage that trained the checkpoint's last step (`plan.stage_config`): a run whose
     last stage extended the context exports, generates and evaluates with that stage's
     RoPE and seq_len."""
-    from moelab.model import Transformer
+    from moelab.model import init_model
     from moelab.train.optimizer import make_optimizer, trainable
 
     if not (Path(run_dir) / CHECKPOINT_DIR).is_dir():
@@ -379,12 +376,13 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
             cfg = config_from_dict(meta["config"])
         except UserError as err:  # the stored config is part of the checkpoint: damage
             raise SchemaError(ckpt.directory / str(step) / "meta", f"config: {err}") from None
+        identity.check(meta, Path(run_dir), data_dir(cfg.data.path), step)
         cfg = config_from_dict({**config_to_dict(cfg), "mesh": {"data": 1, "expert": 1}})
         cfg = stage_config(cfg, cfg.plan.at(max(step - 1, 0)))
         # Shapes only: building a real random model just to overwrite it costs a compile.
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         on_device = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
-        model = eqx.filter_eval_shape(Transformer.init, cfg.model, cfg.moe, jax.random.key(0))
+        model = eqx.filter_eval_shape(init_model, cfg, jax.random.key(0))
         model = jax.tree.map(on_device, model)
         optimizer = make_optimizer(cfg.optim, cfg.train.steps, None, cfg.model.d_model)
         opt_state = jax.tree.map(on_device, eqx.filter_eval_shape(
@@ -403,6 +401,14 @@ def load_latest(run_dir: str | Path, only_step: int | None = None):
     if found is None:
         raise UserError(f"no checkpoint in {ckpt.directory}; train a run first")
     return found
+
+
+def checkpoint_identity(run_dir: str | Path, step: int) -> dict[str, Any]:
+    """The identity (run id, corpus and tokenizer sha256) checkpoint `step` recorded; {}
+    for a checkpoint from before identities were recorded."""
+    meta = Checkpointer(Path(run_dir), keep=1_000_000, writer=False).read_meta(step)
+    found = meta.get(identity.IDENTITY_KEY)
+    return found if isinstance(found, dict) else {}
 
 
 def restore_weights(run_dir: str | Path, into, cfg: Config, step: int | None = None):

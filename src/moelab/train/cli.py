@@ -1,4 +1,5 @@
 """`moelab train`: train (or resume) a run, optionally under a restarting supervisor;
+`moelab upcycle`: a new MoE run from a dense run's checkpoint (train/upcycle.py);
 `moelab checkpoint verify`: check every checkpoint of a run against its integrity record."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from moelab.errors import EXIT_DIVERGED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError
-from moelab.schema import brief, float_in, int_in, parse_yaml
+from moelab.schema import add_run_dir, brief, float_in, int_in, parse_yaml
 from moelab.train.supervisor import MAX_WAIT_S
 
 PRESETS = ("tiny", "small")
@@ -20,10 +21,11 @@ MAX_RESTARTS = 1000  # more than any real run needs; keeps 2**n backoff arithmet
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train an MoE model (resumes if the run exists)")
-    p.add_argument("--config", default="tiny",
-                   help=f"a YAML file, or a built-in preset: {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<config>, "
-                   "plus the --set overrides when there are any)")
+    p.add_argument("--config", default=None,
+                   help=f"a YAML file, or a built-in preset: {', '.join(PRESETS)} (default: "
+                   "an existing RUN_DIR's own config.yaml, else tiny)")
+    add_run_dir(p, required=False, help="where checkpoints and metrics go (default "
+                "runs/<config>, plus the --set overrides when there are any)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.steps=100 (YAML value)")
     p.add_argument("--allow-config-change", action="store_true",
@@ -35,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds before the first restart; doubles each time (up to "
                         f"{MAX_WAIT_S:.0f} s)")
     p.add_argument("--restart-from-scratch", action="store_true",
-                   help="move an earlier run's files in --run-dir to history-*/ and train "
+                   help="move an earlier run's files in RUN_DIR to history-*/ and train "
                         "from step 0 (needed when its checkpoints are gone)")
     p.add_argument("--experiment", help="attach this run to a lab experiment id")
     p.add_argument("--from", dest="parent", metavar="RUN_DIR[@STEP]",
@@ -44,6 +46,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--weights-only", action="store_true",
                    help="with --from: take the weights only and start a fresh optimizer state")
     p.set_defaults(func=run)
+
+    up = subparsers.add_parser("upcycle", help="a new MoE run from a dense run's checkpoint: "
+                               "every expert a copy of its FFN (plus noise), router fresh")
+    up.add_argument("dense_run", type=Path, metavar="DENSE_RUN",
+                    help="the run dir of a dense run (model.n_dense_layers = n_layers)")
+    up.add_argument("--experts", type=int_in(1, 2**16), required=True, help="moe.n_experts")
+    up.add_argument("--top-k", type=int_in(1, 2**16), required=True, help="moe.top_k")
+    up.add_argument("--out", type=Path, required=True, metavar="RUN_DIR",
+                    help="the new run's directory (must not exist or be empty)")
+    up.add_argument("--step", type=int_in(0, 2**31 - 1),
+                    help="the dense checkpoint to upcycle (default its newest good one)")
+    up.add_argument("--noise", type=float_in(0, 1), default=0.01,
+                    help="std of the noise added to each expert copy, relative to the std "
+                         "of the dense matrix")
+    up.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0,
+                    help="seed of the router's init and the noise")
+    up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field of the new run's config, e.g. --set train.steps=400")
+    up.set_defaults(func=run_upcycle)
 
     ckpt = subparsers.add_parser("checkpoint", help="inspect a run's checkpoints")
     actions = ckpt.add_subparsers(dest="action", required=True)
@@ -98,12 +119,21 @@ def parse_parent(value: str | None, weights_only: bool):
 
 
 def run(args: argparse.Namespace) -> int:
+    from moelab import outputs
     from moelab.config import load_config
+    from moelab.train.rundir import current_config_path
 
+    if args.config is None:  # an existing run resumes with its own config, not a preset
+        own = current_config_path(Path(args.run_dir)) if args.run_dir else None
+        args.config = str(own) if own is not None and own.is_file() else "tiny"
     cfg = load_config(config_path(args.config), parse_overrides(args.set))
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, args.set)
     if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--run-dir {run_dir} is a file, not a directory; pass a directory")
+        raise UserError(f"RUN_DIR {run_dir} is a file, not a directory; pass a directory")
+    if run_dir.is_dir() and not outputs.writable(run_dir):
+        raise UserError(f"RUN_DIR {run_dir} is not writable; choose another directory")
+    if not run_dir.exists():
+        outputs.check_dir(run_dir, flag="RUN_DIR")
     parent = parse_parent(args.parent, args.weights_only)
     if args.restart_from_scratch:  # here, not in the workers: a restart must not archive
         from moelab.train.rundir import RunDirLock, archive_history
@@ -141,7 +171,7 @@ def next_commands(run_dir: Path, experiment: str | None) -> str:
     from moelab.train.rundir import current_config_path
 
     r, q = shlex.quote(str(run_dir)), shlex.quote  # commands to paste into a shell
-    lines = [(f"moelab generate --run-dir {r} --prompt 'def '", "sample from the model")]
+    lines = [(f"moelab generate {r} --prompt 'def '", "sample from the model")]
     if experiment:
         lines += [(f"moelab lab show {experiment}", "the experiment, this run included"),
                   (f"moelab lab finish {experiment} --status succeeded --outcome '...'",
@@ -151,7 +181,7 @@ def next_commands(run_dir: Path, experiment: str | None) -> str:
                    f"{q(str(current_config_path(run_dir)))}", "plan an experiment (prints its id)"),
                   (f"moelab lab attach {r} --experiment ID", "record this run in it")]
     lines += [("moelab lab publish runs/site", "the lab as a static site (lab extra)"),
-              (f"moelab export --run-dir {r} --out {q('runs/hf/' + run_dir.name)}",
+              (f"moelab export {r} --out {q('runs/hf/' + run_dir.name)}",
                "a transformers model (export extra)")]
     width = max(len(command) for command, _ in lines)
     return "next:\n" + "\n".join(f"  {command:<{width}}  # {why}" for command, why in lines)
@@ -159,7 +189,7 @@ def next_commands(run_dir: Path, experiment: str | None) -> str:
 
 def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
     """The same training command, without supervision, for the supervisor to run."""
-    argv = ["train", "--config", args.config, "--run-dir", str(run_dir)]
+    argv = ["train", str(run_dir), "--config", args.config]
     for item in args.set:
         argv += ["--set", item]
     if args.allow_config_change:
@@ -167,6 +197,19 @@ def worker_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
     if args.parent:
         argv += ["--from", args.parent] + (["--weights-only"] if args.weights_only else [])
     return argv + (["--experiment", args.experiment] if args.experiment else [])
+
+
+def run_upcycle(args: argparse.Namespace) -> int:
+    from moelab import outputs
+    from moelab.train.upcycle import upcycle_run
+
+    outputs.check_dir(args.out)  # a file, under a file, unwritable, someone else's: refused
+    config = upcycle_run(args.dense_run, args.out, args.experts, args.top_k, args.step,
+                         args.noise, args.seed, parse_overrides(args.set))
+    print(f"upcycled {args.dense_run} into {args.out} ({args.experts} experts, top-"
+          f"{args.top_k}); train it with:\n  moelab train {shlex.quote(str(args.out))} "
+          f"--config {shlex.quote(str(config))}")
+    return EXIT_OK
 
 
 def verify_checkpoints(args: argparse.Namespace) -> int:

@@ -30,10 +30,13 @@ def estimate_bytes(cfg: Config) -> tuple[int, int]:
     m, moe, d = cfg.model, cfg.moe, cfg.data
     state = STATE_COPIES * BYTES * total_params(cfg)
     tokens = d.batch_size // cfg.optim.grad_accum * d.seq_len
-    per_layer = (RESIDUAL_TENSORS * m.d_model + 3 * moe.top_k * m.d_ff
-                 + m.n_heads * d.seq_len)
+    # attention_impl chunked keeps no scores for the backward (it recomputes each block)
+    scores = 0 if m.attention_impl == "chunked" else m.n_heads * d.seq_len
+    per_layer = RESIDUAL_TENSORS * m.d_model + 3 * moe.top_k * m.d_ff + scores
     logits = 2 * m.vocab_size  # logits and their gradient
-    return state, BYTES * tokens * (m.n_layers * per_layer + logits)
+    # each MTP module: one more layer and its own logits (its weights are not counted)
+    depth = cfg.mtp.depth
+    return state, BYTES * tokens * ((m.n_layers + depth) * per_layer + (1 + depth) * logits)
 
 
 def available_bytes() -> int:

@@ -7,6 +7,9 @@ N_active counts the weights one token multiplies: attention projections, the rou
 top_k routed experts (not all n_experts), the shared expert, dense FFNs, and the output
 head. The embedding lookup is a gather, not a matmul, and is not counted. The second
 term is attention's QK^T and AV, counted for the full (not causal-halved) square.
+Multi-token prediction (mtp.depth modules) adds per module its projection [2D, D], one
+dense block (attention included) and the shared output head: `mtp_params`, and one more
+layer of the attention term. N_active (active_params) stays the served model's.
 MFU = achieved FLOPs/s / peak FLOPs/s.
 """
 
@@ -49,10 +52,19 @@ def total_params(cfg: Config) -> int:
     return active_params(cfg) + idle_experts + embedding
 
 
+def mtp_params(cfg: Config) -> int:
+    """The weights one token multiplies in the MTP modules (training only)."""
+    m = cfg.model
+    attn = m.d_model * m.resolved_head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    dense = 3 * m.d_model * (m.d_ff_dense or m.d_ff * cfg.moe.top_k)
+    return cfg.mtp.depth * (2 * m.d_model * m.d_model + attn + dense + m.d_model * m.vocab_size)
+
+
 def flops_per_token(cfg: Config) -> float:
     m = cfg.model
-    attention = 12 * m.n_layers * m.n_heads * m.resolved_head_dim * cfg.data.seq_len
-    return 6.0 * active_params(cfg) + attention
+    layers = m.n_layers + cfg.mtp.depth  # each MTP module runs one block's attention
+    attention = 12 * layers * m.n_heads * m.resolved_head_dim * cfg.data.seq_len
+    return 6.0 * (active_params(cfg) + mtp_params(cfg)) + attention
 
 
 def peak_flops(cfg: Config) -> float:

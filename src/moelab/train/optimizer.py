@@ -1,8 +1,22 @@
-"""AdamW with decoupled weight decay, a learning-rate schedule, and global-norm clipping.
+"""AdamW (or Muon) with decoupled weight decay, a learning-rate schedule, and global-norm
+clipping.
 
 Warmup-stable-decay (WSD): linear warmup, a long constant phase, then a linear decay over
 the last `decay_fraction` of steps. Unlike cosine, the stable phase can be cut at any
 point and decayed, which is what a scaling ladder wants from its rungs.
+
+`optim.name: muon` (Jordan et al. 2024; Moonlight, Liu et al. 2025) updates the hidden
+matrices (attention projections, every SwiGLU matrix: routed experts, shared expert, dense
+FFN) with optax's Muon: Nesterov momentum, then Newton-Schulz orthogonalisation of each
+2-D matrix. The stacked arrays ([L, D, F], experts [L, E, D, F]) are batches of matrices:
+the last two axes are (fan_in, fan_out), every leading axis a batch axis, so each expert's
+matrix of each layer is orthogonalised on its own. The embedding, the output head, the
+norm scales and the routers keep AdamW, as Moonlight and Kimi K2 do.
+
+Width transfer (Moonlight's RMS matching): an orthogonalised [A, B] update has RMS
+1/sqrt(max(A, B)); Muon's update is scaled by 0.2 sqrt(max(A, B)) so its RMS is 0.2,
+AdamW's typical update RMS. Then AdamW's lr and weight decay serve Muon unchanged, at
+every width of a ladder (so optim.lr_base_width, muP's Adam rule, is not combined with it).
 """
 
 from __future__ import annotations
@@ -14,8 +28,10 @@ import optax
 
 from moelab.config import Config, OptimConfig
 from moelab.config.plan import RestartConfig
+from moelab.model.attention import Attention
 from moelab.model.balance import without_bias
-from moelab.model.layers import RMSNorm
+from moelab.model.dispatch.experts import Experts
+from moelab.model.layers import RMSNorm, SwiGLU
 
 
 def warmup_length(cfg: OptimConfig, total_steps: int) -> int:
@@ -112,17 +128,66 @@ def width_factor(cfg: OptimConfig, d_model: int) -> float:
     return cfg.lr_base_width / d_model if cfg.lr_base_width else 1.0
 
 
+MUON_RMS = 0.2  # Moonlight: Muon's update RMS matched to AdamW's, so lr and decay carry over
+MUON, ADAM = "muon", "adam"
+
+
+def muon_labels(params):
+    """MUON for the hidden matrices (attention projections, SwiGLU matrices of experts,
+    shared expert and dense FFN), ADAM for the rest (embedding, head, norms, routers)."""
+    def label(node):
+        if isinstance(node, SwiGLU | Experts):
+            return jax.tree.map(lambda _: MUON, node)
+        if isinstance(node, Attention):
+            labels = jax.tree.map(lambda _: ADAM, node)  # its QK-norm scales
+            return eqx.tree_at(lambda a: (a.wq, a.wk, a.wv, a.wo), labels, (MUON,) * 4)
+        return ADAM
+
+    return jax.tree.map(label, params,
+                        is_leaf=lambda n: isinstance(n, SwiGLU | Experts | Attention))
+
+
+def _matrix_axes(updates):
+    """Muon's reshaping of every array it sees: (fan_in, fan_out) = the last two axes, all
+    leading axes (layers, experts) batch axes orthogonalised one matrix at a time."""
+    dims = optax.contrib.MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
+    return jax.tree.map(lambda _: dims, updates)
+
+
+def rms_matched(update: jax.Array) -> jax.Array:
+    """Moonlight's width-transfer rule: an orthogonalised [.., A, B] update times
+    0.2 sqrt(max(A, B)), giving it AdamW's update RMS of about 0.2."""
+    return update * (MUON_RMS * max(update.shape[-2:]) ** 0.5)
+
+
+def muon(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Muon on the hidden matrices and Adam on the rest, before the shared lr (the weight
+    decay is decoupled in both, lr * weight_decay * param, as in optax.adamw)."""
+    return optax.multi_transform({
+        MUON: optax.chain(
+            optax.contrib.scale_by_muon(ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum,
+                                        weight_dimension_numbers=_matrix_axes),
+            optax.stateless(lambda updates, _: jax.tree.map(rms_matched, updates)),
+            optax.add_decayed_weights(cfg.weight_decay)),
+        ADAM: optax.chain(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+                          optax.add_decayed_weights(cfg.weight_decay, decay_mask)),
+    }, muon_labels)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int, params, d_model: int = 0,
                    schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
     """`d_model` sets the width-transfer factor when `optim.lr_base_width` is on: the AdamW
     update (weight decay included, as it is decoupled and scales with lr) of every matrix
     but the embedding is multiplied by lr_base_width / d_model. `schedule` replaces
-    `optim`'s own (a staged run passes `run_schedule(cfg)`)."""
+    `optim`'s own (a staged run passes `run_schedule(cfg)`). `optim.name: muon` puts
+    Muon in AdamW's place for the hidden matrices (`muon`), under the same schedule."""
     del params  # the masks are computed lazily from the params optax sees
-    adamw = optax.adamw(
-        schedule or lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-        weight_decay=cfg.weight_decay, mask=decay_mask,
-    )
+    lr = schedule or lr_schedule(cfg, total_steps)
+    if cfg.name == "muon":  # one lr scaling after both, so the state has one LR counter
+        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), muon(cfg),
+                           optax.scale_by_learning_rate(lr))
+    adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=decay_mask)
     parts = [optax.clip_by_global_norm(cfg.clip_norm), adamw]
     if cfg.lr_base_width:
         if d_model <= 0:

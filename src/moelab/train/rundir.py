@@ -38,6 +38,7 @@ LOCK_FILE = "train.lock"
 WORKER_PID_FILE = "worker.pid"
 LAB_RUN_FILE = "lab_run.json"
 LINEAGE_FILE = "lineage.json"
+RUN_ID_FILE = "run_id.json"  # the run's id, which its checkpoints record (train/identity.py)
 
 _CHANGED_CONFIG = re.compile(r"config\.step-(\d+)\.yaml")
 
@@ -56,7 +57,7 @@ class RunDirLock:
 
     def __enter__(self) -> RunDirLock:
         if self.path.parent.exists() and not self.path.parent.is_dir():
-            raise UserError(f"--run-dir {self.path.parent} is a file, not a directory; "
+            raise UserError(f"RUN_DIR {self.path.parent} is a file, not a directory; "
                             "pass a directory path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -68,7 +69,7 @@ class RunDirLock:
             if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
             raise UserError(f"{self.path.parent} is in use by another trainer (pid {holder}); "
-                            "wait for it to finish or stop it, or pass another --run-dir"
+                            "wait for it to finish or stop it, or pass another RUN_DIR"
                             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
@@ -171,14 +172,14 @@ def _compare(saved: Any, where: str, run_dir: Path, cfg: Config,
     if refused and not allow_change:
         raise ConfigError(f"the config differs from the run's {where} in {run_dir} "
                           f"(incompatible config: {_listed(refused)}); rerun with the run's "
-                          "config, use a new --run-dir, or pass --allow-config-change to "
+                          "config, use a new RUN_DIR, or pass --allow-config-change to "
                           "record the change and continue")
     return changes
 
 
 # What a run directory holds besides its checkpoints: the record of a run that trained.
 HISTORY = (METRICS_FILE, EVENTS_FILE, LAB_RUN_FILE, CONFIG_FILE, CHECKPOINT_DIR,
-           QUARANTINE_DIR, WORKER_PID_FILE)
+           QUARANTINE_DIR, WORKER_PID_FILE, RUN_ID_FILE)
 HISTORY_DIR = "history-"
 
 

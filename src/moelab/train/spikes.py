@@ -76,3 +76,53 @@ def diverging(detector: SpikeDetector) -> bool:
     """Whether the spike rule currently calls the series a divergence: its last
     `patience` values were all flagged."""
     return detector.run_length >= detector.patience
+
+
+# Evaluations in a row at which a source's validation loss must rise (while the training
+# loss falls) to call it overfitting: one rise is within an evaluation's noise, three in a
+# row on the same text (the val windows are fixed) is a trend.
+OVERFIT_EVALS = 3
+
+
+@dataclass
+class OverfitDetector:
+    """Overfitting as an event, like a spike: a source's validation loss rose at each of
+    the last `evals` evaluations while the training loss fell over the same span. The
+    training loss of an evaluation is the mean CE of the steps since the one before (one
+    step's loss is too noisy to say it fell). Flagged once per episode: again only after
+    that source's validation loss has stopped rising."""
+
+    evals: int = OVERFIT_EVALS
+    train: list = field(default_factory=list)  # CE of the steps since the last evaluation
+    history: list = field(default_factory=list)  # [train mean, {source: val loss}] per eval
+    flagged: list = field(default_factory=list)  # sources in an episode already flagged
+
+    def step(self, ce: float) -> None:
+        self.train.append(ce)
+
+    def evaluate(self, val: dict[str, float]) -> tuple[float | None, list[str]]:
+        """Feed one evaluation's {source: val loss}; returns (the training loss it is
+        compared with, None if no step trained since the last; sources overfitting now)."""
+        if not self.train:  # evaluated twice at one step (a resume): nothing new to compare
+            return None, []
+        train = float(np.mean(self.train))
+        self.train = []
+        self.history = [*self.history, [train, dict(val)]][-(self.evals + 1):]
+        if len(self.history) <= self.evals:
+            return train, []
+        first_train, last_train = self.history[0][0], self.history[-1][0]
+        rising = [s for s in val if all(
+            s in a[1] and s in b[1] and b[1][s] > a[1][s]
+            for a, b in zip(self.history, self.history[1:], strict=False))]
+        self.flagged = [s for s in self.flagged if s in rising]  # an episode ended: re-arm
+        new = [s for s in rising if s not in self.flagged] if last_train < first_train else []
+        self.flagged += new
+        return train, new
+
+    def state_dict(self) -> dict:
+        return {"train": list(self.train), "history": self.history, "flagged": self.flagged}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.train = list(state["train"])
+        self.history = [list(h) for h in state["history"]]
+        self.flagged = list(state["flagged"])

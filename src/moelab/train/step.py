@@ -9,6 +9,8 @@ static structure is a hashable static argument, split off and put back around th
 
 from __future__ import annotations
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -33,11 +35,33 @@ def make_loss(cfg: Config):
     dtype = jnp.dtype(cfg.train.dtype)
 
     def loss(model, batch, segments=None):
-        logits, stats, _ = cast_floats(model, dtype)(batch[:, :-1], segments=segments)
+        tokens, packed = batch_parts(batch)
+        if packed is not None:
+            segments, positions, mask = packed
+        else:
+            positions = mask = None
+        model = cast_floats(model, dtype)
+        hidden, stats, _ = model.hidden(tokens[:, :-1], segments=segments, positions=positions)
+        logits, mtp_ce = model.logits(hidden), None
+        if model.mtp is not None:  # multi-token prediction (model/mtp.py)
+            with jax.named_scope("mtp"):
+                mtp_ce = model.mtp.cross_entropy(model, hidden, tokens[:, :-1], tokens[:, 1:],
+                                                 segments)
         with jax.named_scope("loss"):
-            return objective(logits, batch[:, 1:], stats, cfg.loss)
+            return objective(logits, tokens[:, 1:], stats, cfg.loss, mtp_ce,
+                             cfg.mtp.loss_weight, loss_mask=mask)
 
     return loss
+
+
+def batch_parts(batch) -> tuple:
+    """(tokens [B, S+1], None) of a batch of token windows, or (tokens, (segments,
+    positions, loss mask)) of packed rows (`data.chat.Packed.batch`: a dict), each cut to
+    the inputs [B, S] (segments, positions) or the targets (mask) it applies to."""
+    if not isinstance(batch, dict):
+        return batch, None
+    return batch["tokens"], (batch["segments"][:, :-1], batch["positions"][:, :-1],
+                             batch["loss_mask"][:, 1:])
 
 
 def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, donate: bool = True):
@@ -46,7 +70,7 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, donate
 
     def accumulated(model, batch, segments):
         """Mean loss and grads over `accum` micro-batches, one at a time (less memory)."""
-        micro = batch.reshape(accum, -1, batch.shape[-1])
+        micro = jax.tree.map(lambda a: a.reshape(accum, -1, a.shape[-1]), batch)
         if segments is not None:
             segments = segments.reshape(accum, -1, segments.shape[-1])
 
@@ -54,14 +78,16 @@ def make_train_step(cfg: Config, optimizer: optax.GradientTransformation, donate
             (_, parts), grads = grad_fn(model, *mb_segments)
             return jax.tree.map(jnp.add, carry, (parts, grads)), None
 
-        shapes = eqx.filter_eval_shape(grad_fn, model, micro[0])
+        shapes = eqx.filter_eval_shape(grad_fn, model, jax.tree.map(lambda a: a[0], micro))
         zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (parts, grads), _ = jax.lax.scan(body, (zero[0][1], zero[1]), (micro, segments))
         return jax.tree.map(lambda a: a / accum, (parts, grads))
 
     def step(params, static, opt_state, batch):
         model = eqx.combine(params, static)
-        segments = short_segments(batch.shape[0], batch.shape[1] - 1, d.short_rows, d.short_len)
+        tokens = batch_parts(batch)[0]
+        segments = short_segments(tokens.shape[0], tokens.shape[1] - 1, d.short_rows,
+                                  d.short_len)
         if accum == 1:
             (_, parts), grads = grad_fn(model, batch, segments)
         else:
@@ -116,13 +142,14 @@ class TrainStep:
 
 
 def make_eval_step(cfg: Config):
-    """eval_step(model, batch) -> mean cross-entropy, asynchronous like the train step."""
+    """eval_step(model, batch) -> mean cross-entropy, asynchronous like the train step.
+    The model is evaluated as it is served: without its MTP modules."""
     loss = make_loss(cfg)
     jitted = jax.jit(lambda params, static, batch: loss(eqx.combine(params, static), batch)[1][
         "ce"], static_argnums=1)
 
     def eval_step(model, batch):
-        params, static = eqx.partition(model, eqx.is_array)
+        params, static = eqx.partition(dataclasses.replace(model, mtp=None), eqx.is_array)
         return jitted(params, static, batch)
 
     return eval_step

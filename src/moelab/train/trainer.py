@@ -30,15 +30,25 @@ from moelab.config import (
     data_dir,
 )
 from moelab.config.plan import Stage, check_sources, stage_config
-from moelab.data.loader import Loader, StagedLoader, read_meta
+from moelab.data.loader import (
+    ConversationLoader,
+    Loader,
+    StagedLoader,
+    read_meta,
+    source_weights,
+)
+from moelab.data.passes import passes_lines, plan_passes
 from moelab.errors import DivergenceError, Interrupted, UserError
-from moelab.model import Transformer
+from moelab.model import Transformer, init_model
 from moelab.model.dispatch import check_dispatch
+from moelab.model.losses import MTP_LOSS_PREFIX
 from moelab.model.transformer import with_model_config
 from moelab.parallel.distributed import initialize_distributed
 from moelab.parallel.mesh import batch_sharding, init_sharded, make_mesh
-from moelab.train.bpb import domain_metrics, tokenizer_bytes
+from moelab.train import identity
+from moelab.train.bpb import LOSS_PREFIX, domain_metrics, tokenizer_bytes
 from moelab.train.checkpoint import Checkpointer
+from moelab.train.health import DEAD_METRIC, ExpertHealth
 from moelab.train.interrupt import StopRequest, describe, stop_at_once
 from moelab.train.memory import check_fits, keep_freed_memory
 from moelab.train.metrics import mfu
@@ -55,7 +65,12 @@ from moelab.train.rundir import (
     save_config,
 )
 from moelab.train.runlog import RunLog, check_snapshot
-from moelab.train.spikes import SpikeDetector, diverging, plausible_loss_bound
+from moelab.train.spikes import (
+    OverfitDetector,
+    SpikeDetector,
+    diverging,
+    plausible_loss_bound,
+)
 from moelab.train.step import make_eval_step, make_train_step
 
 FAULT_ENV = "MOELAB_FAULT_AT_STEP"  # test hook: SIGKILL this process when reaching that step
@@ -78,6 +93,9 @@ def prepared_data(cfg: Config) -> Path:
                               "rerun the same command to resume it") from None
         print(f"corpus ready: {path}, content sha256 "
               f"{read_meta(path).get('content_sha256', 'unknown')}", flush=True)
+    from moelab.data.prepare import check_preset_prepared
+
+    check_preset_prepared(cfg.data.path)
     here = Path(cfg.data.path)
     if not (path / "meta.json").exists() and (here / "meta.json").exists() and here != path:
         raise ConfigError(f"data.path: {cfg.data.path!r} means {path} (relative paths live "
@@ -92,8 +110,7 @@ def prepared_data(cfg: Config) -> Path:
 
 def build_model(cfg: Config, mesh):
     """The initial model, each array born on the mesh with its sharding."""
-    model = init_sharded(lambda key: Transformer.init(cfg.model, cfg.moe, key), mesh,
-                         jax.random.key(cfg.train.seed))
+    model = init_sharded(lambda key: init_model(cfg, key), mesh, jax.random.key(cfg.train.seed))
     if cfg.mesh.expert > 1:
         from moelab.parallel.expert import expert_parallel
 
@@ -127,6 +144,7 @@ class Trainer:
         # Before anything is written: a refused config leaves the run dir as it was.
         self.config_changes = check_identity(run_dir, cfg, allow_config_change)
         data_dir = prepared_data(cfg)
+        self.data_dir, self.corpus = data_dir, identity.corpus_identity(data_dir)
         d = cfg.data
         self.plan = cfg.plan
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
@@ -136,6 +154,13 @@ class Trainer:
         if self.plan.staged:
             check_sources(self.plan, self.loader.sources)
             self.loader = StagedLoader(data_dir, self.plan.stages, d.seed)
+        if d.conversations:  # the plan still sets the LR and optimizer of each stage
+            self.loader = ConversationLoader(data_dir, d.conversations, d.seq_len,
+                                             d.batch_size, d.seed)
+        else:
+            for line in passes_lines(plan_passes(self.loader.meta, self.plan,
+                                                 d.max_epochs or None)):
+                print(f"train tokens, {line}")
         # val keeps the run's seq_len and batch in every stage: one yardstick for the curve
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
                     for s in self.loader.sources}
@@ -163,6 +188,8 @@ class Trainer:
         t = cfg.train
         self.detectors = {name: SpikeDetector(t.spike_window, t.spike_threshold)
                           for name in ("loss", "grad_norm")}
+        self.overfit = OverfitDetector()
+        self.health = ExpertHealth(t.dead_expert_window)
         permanent = self.plan.starts() if t.keep_stage_checkpoints else []
         self.ckpt = Checkpointer(run_dir, t.keep_checkpoints, permanent=permanent)
         self.log = RunLog(run_dir, experiment, config_to_dict(cfg),
@@ -198,16 +225,21 @@ class Trainer:
             return 0
         if self.parent is not None and not (self.run_dir / LINEAGE_FILE).exists():
             raise UserError(f"--from: {self.run_dir} already holds a run of its own; a branch "
-                            "starts in a new --run-dir")
+                            "starts in a new RUN_DIR")
         self.model, self.opt_state, meta, step = found
         # Its own config stands in for a deleted config.yaml, and must be this run's.
         self.config_changes = check_checkpoint_config(
             self.run_dir, self.cfg, self.allow_config_change, step, meta["config"]
         ) or self.config_changes
+        identity.check(meta, self.run_dir, self.data_dir, step)  # the same config, this run?
         self._check_plan_change(meta["config"], step)
         self.loader.load_state_dict(meta["loader"])
         for name, state in meta["detectors"].items():
             self.detectors[name].load_state_dict(state)
+        if "overfit" in meta:  # a checkpoint of an older moelab starts it afresh
+            self.overfit.load_state_dict(meta["overfit"])
+        if "health" in meta:  # checkpoints from before balance health have none
+            self.health.load_state_dict(meta["health"])
         self.log.rewind_to(step)
         self.log.event(step, "resume", f"resumed from checkpoint at step {step}")
         print(f"resumed from checkpoint at step {step}")
@@ -218,7 +250,7 @@ class Trainer:
         weights_only its optimizer state) at its step, so this run's curve forks there."""
         src = Path(parent.run_dir).absolute()
         if src == self.run_dir.absolute():
-            raise UserError(f"--from {parent.run_dir}: that is this run's own --run-dir")
+            raise UserError(f"--from {parent.run_dir}: that is this run's own RUN_DIR")
         if not (src / CHECKPOINT_DIR).is_dir():
             raise UserError(f"--from {parent.run_dir}: no checkpoints there; pass the run dir "
                             "of a training run")
@@ -262,7 +294,7 @@ class Trainer:
             raise ConfigError(f"stages: the plan changes {', '.join(changed)}, which has "
                               f"already trained (resuming at step {step}); only stages that "
                               "start later may change: branch instead with `moelab train "
-                              f"--from {self.run_dir}@STEP` into a new --run-dir")
+                              f"--from {self.run_dir}@STEP` into a new RUN_DIR")
 
     def _start_without_checkpoint(self) -> None:
         """Start at step 0, unless the run directory shows that a checkpoint existed:
@@ -287,7 +319,7 @@ class Trainer:
                 f"({'; '.join(evidence)}) but no usable checkpoint in checkpoints/; training "
                 "again from step 0 would repeat its steps in the same record. Rerun with "
                 "--restart-from-scratch to archive the old files (to history-*/) and start "
-                "over, or pass a new --run-dir")
+                "over, or pass a new RUN_DIR")
         if metrics:
             self.log.rewind_to(0)
             self.log.event(0, "fresh_start", f"no checkpoint was saved before (the first is "
@@ -313,7 +345,11 @@ class Trainer:
             self._refuse_save(refused)
         state = {"config": config_to_dict(self.cfg), "step": self.step,
                  "loader": self.loader.state_dict(), "seed": self.cfg.train.seed,
-                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()}}
+                 "detectors": {k: d.state_dict() for k, d in self.detectors.items()},
+                 "overfit": self.overfit.state_dict(),
+                 "health": self.health.state_dict(),
+                 identity.IDENTITY_KEY: {"run_id": identity.ensure_run_id(self.run_dir),
+                                         **self.corpus}}
         try:
             self.ckpt.save(self.step, self.model, self.opt_state, state)
         except DivergenceError as err:
@@ -454,8 +490,11 @@ class Trainer:
         record = self._record(parts, self.lr(step - 1), tokens_per_s, stage)
         self._check_finite(step, record)
         self._flag_spikes(step, record)
+        self.overfit.step(record["ce"])
+        self._check_health(step, parts, record)
         if evaluate:
             record.update(self.evaluate())
+            self._flag_overfit(step, record, stage)
         self.log.step(step, record)
         return record
 
@@ -463,10 +502,12 @@ class Trainer:
         record = {k: float(parts[k]) for k in
                   ("loss", "ce", "aux_loss", "seq_aux_loss", "router_z", "logit_z",
                    "grad_norm")}
+        record.update({k: float(v) for k, v in parts.items() if k.startswith(MTP_LOSS_PREFIX)})
         record.update(lr=float(lr), tokens_per_s=tokens_per_s,
                       mfu=mfu(stage_config(self.cfg, stage), tokens_per_s))
         if self.plan.staged:  # the stage and the mixture it actually draws (normalized)
             record["stage"] = stage.index
+        if self.plan.staged and isinstance(self.loader, StagedLoader):  # not conversations
             weights = self.loader.weights[stage.index]
             record.update({f"mixture/{s}": float(w) for s, w in
                            zip(self.loader.sources, weights, strict=True)})
@@ -493,6 +534,36 @@ class Trainer:
             if flag:
                 self.log.event(step, flag, f"{name} = {record[name]:.4g} flagged as {flag}")
                 record[f"{flag}/{name}"] = 1.0
+
+    def _flag_overfit(self, step: int, record: dict, stage: Stage) -> None:
+        """The train-validation gap (the validation loss weighted as the stage draws its
+        sources, minus the mean training CE since the last evaluation) and an `overfit`
+        event for each source whose validation loss rose over the last evaluations while
+        the training loss fell (spikes.OverfitDetector)."""
+        val = {k.removeprefix(LOSS_PREFIX): v for k, v in record.items()
+               if k.startswith(LOSS_PREFIX)}
+        train, sources = self.overfit.evaluate(val)
+        if train is None:
+            return
+        weights = source_weights(self.loader.meta, stage.mixture)
+        record["train_val_gap"] = sum(w * val[s] for s, w in weights.items() if s in val) - train
+        for source in sources:
+            first, k = self.overfit.history[0], self.overfit.evals  # the span's start
+            message = (f"{LOSS_PREFIX}{source} rose at each of the last {k} evaluations "
+                       f"({first[1][source]:.4g} -> {val[source]:.4g}) while the training "
+                       f"loss fell ({first[0]:.4g} -> {train:.4g}): overfitting")
+            self.log.event(step, "overfit", message)
+            record[f"overfit/{source}"] = 1.0
+
+    def _check_health(self, step: int, parts: dict, record: dict) -> None:
+        """Dead experts per MoE layer (train/health.py), and an event when one dies or
+        revives."""
+        if "tokens_per_expert" not in parts:  # a dense model
+            return
+        for kind, message in self.health.update(parts["tokens_per_expert"]):
+            self.log.event(step, kind, message)
+        for i, dead in enumerate(self.health.dead()):
+            record[f"{DEAD_METRIC}/layer_{i}"] = float(dead)
 
     def _maybe_fault(self) -> None:
         if os.environ.get(FAULT_ENV) == str(self.step):

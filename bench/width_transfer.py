@@ -1,0 +1,96 @@
+"""Width transfer, measured: short LR sweeps at a ladder's narrowest rung width and at its
+target width, each optimum beside the LR the muP-style rule (`optim.lr_base_width`) uses.
+
+    moelab data prepare --preset ladder                 # once (the held-out specs' corpus)
+    python3 bench/width_transfer.py [--spec h1_two_stage_30x] [--steps 600] [--force]
+
+The rule keeps one base LR at every width and scales the matrices' updates by
+lr_base_width / d_model; if it transfers, the loss-minimising LR factor is the same at both
+widths (ideally 1: the spec's own LR). Each width trains `--steps` steps with the spec's
+recipe (its stage plan at the same fractions, its first seed) at the rule's LR times each
+of `--factors`, scored on the whole validation split at the end (the ladder's evaluator).
+Runs live in runs/width_transfer/<spec>/ and a finished one is only read. Writes
+bench/results/width_transfer/width_transfer.json: per width its d_model, the rule's LR and
+matrix LR, each LR's final loss, the optimum and its factor against the rule; and
+`optimum_factor_ratio` (target's optimum factor over the narrow rung's: 1 when the rule
+transfers). 2 widths x 5 LRs short runs: ~20-40 min on 2 idle cores at the default steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from machine import add_output_args, describe, load_per_core, refuse_if_busy  # bench/machine.py
+
+from moelab.config import Config, config_from_dict, config_to_dict
+from moelab.ladder.runner import ensure_trained
+from moelab.ladder.spec import LadderSpec, Rung, load_spec, merge
+from moelab.train.optimizer import width_factor
+
+RESULTS = Path(__file__).parent / "results" / "width_transfer" / "width_transfer.json"
+FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def probe(config: Config, steps: int, lr: float) -> Config:
+    """`config` shortened to `steps` (scored once at the end) at base LR `lr`."""
+    return config_from_dict(merge(config_to_dict(config), {
+        "train": {"steps": steps, "eval_every": steps, "checkpoint_every": steps,
+                  "keep_checkpoints": 1},
+        "optim": {"lr": lr}}))
+
+
+def sweep(spec: LadderSpec, steps: int, factors: tuple[float, ...], out: Path) -> dict:
+    """Both widths' sweeps and their optima (see the module docstring)."""
+    narrow = min((r for r in spec.rungs if r.parent is None),
+                 key=lambda r: r.config.model.d_model)
+    spec = LadderSpec(spec.name, out, spec.rungs, spec.target, spec.fit)  # runs go to `out`
+    widths = []
+    for label, base in (("narrowest_rung", narrow), ("target", spec.target)):
+        d, lr = base.config.model.d_model, base.config.optim.lr
+        runs = []
+        for f in factors:
+            rung = Rung(f"{label}-d{d}-lr{f:g}", probe(base.config, steps, lr * f))
+            loss = ensure_trained(spec, rung, f"{label} lr x{f:g}").final_val_loss
+            runs.append({"factor": f, "lr": lr * f,
+                         "matrix_lr": lr * f * width_factor(base.config.optim, d),
+                         "final_val_loss": loss})
+        best = min(runs, key=lambda r: r["final_val_loss"])
+        widths.append({"role": label, "d_model": d, "rule_lr": lr,
+                       "rule_matrix_lr": lr * width_factor(base.config.optim, d),
+                       "runs": runs, "optimum_lr": best["lr"], "optimum_factor": best["factor"],
+                       "rule_is_optimum": best["factor"] == 1.0})
+    return {"spec": spec.name, "steps": steps, "factors": list(factors), "widths": widths,
+            "optimum_factor_ratio": widths[1]["optimum_factor"] / widths[0]["optimum_factor"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", default="h1_two_stage_30x",
+                        help="ladder spec (file or preset name) whose recipe and widths to use")
+    parser.add_argument("--steps", type=int, default=600, help="steps of each sweep run")
+    parser.add_argument("--factors", type=float, nargs="+", default=list(FACTORS),
+                        help="LR multipliers of the rule's LR")
+    parser.add_argument("--runs", type=Path, default=None,
+                        help="run directories (default runs/width_transfer/<spec>)")
+    add_output_args(parser, RESULTS)
+    args = parser.parse_args()
+    spec = load_spec(args.spec)
+    before = load_per_core()
+    refuse_if_busy(describe(before, before), args.force)
+    result = sweep(spec, args.steps, tuple(args.factors),
+                   args.runs or Path("runs/width_transfer") / spec.name)
+    out = {**result, "machine": describe(before, load_per_core())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    for w in out["widths"]:
+        losses = ", ".join(f"x{r['factor']:g} {r['final_val_loss']:.4f}" for r in w["runs"])
+        print(f"{w['role']} d_model {w['d_model']}: {losses}; optimum x{w['optimum_factor']:g} "
+              f"(lr {w['optimum_lr']:.3g}; the rule's {w['rule_lr']:.3g})")
+    print(f"optimum factor, target over narrowest rung: {out['optimum_factor_ratio']:g} "
+          f"-> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

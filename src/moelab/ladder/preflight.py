@@ -1,0 +1,78 @@
+"""Everything a ladder run can be refused for, checked before the first rung trains.
+
+`load_spec` checks what a spec is (its shape, its rungs' configs, the compute ratio); this
+checks what `ladder run` needs to reach its end: a pre-registered law with enough points
+to fit, measured or stated noise for its interval, stage mixtures naming sources the
+corpus has, a lab experiment that exists and an output directory it may write. Each of
+these otherwise fails after rungs have trained (hours, on a real ladder).
+"""
+
+from __future__ import annotations
+
+from moelab import outputs
+from moelab.config import ConfigError, data_dir
+from moelab.config.plan import check_sources
+from moelab.errors import UserError
+from moelab.ladder.fit import compute_levels
+from moelab.ladder.prereg import PREREG_FILE
+from moelab.ladder.spec import LadderSpec
+
+# points each law is fitted to (fit.py's _check_points): L(N, D) has 5 parameters, L(C)
+# 3, fitted to one IsoFLOP minimum per compute level
+LAW_MINIMUM = {"chinchilla": ("distinct points (rungs or branches)", 5),
+               "compute": ("compute levels (its IsoFLOP minima)", 3)}
+
+
+def check_ladder_run(spec: LadderSpec, experiment: str | None) -> None:
+    """Raise a one-line UserError for the first reason `ladder run` could not finish."""
+    _check_law(spec)
+    _check_noise(spec)
+    _check_sources(spec)
+    if experiment:
+        from moelab.lab.store import Store, default_lab_path
+
+        with Store(default_lab_path(), mode="ro") as store:
+            store.get_experiment(experiment)  # a UserError naming it if unknown
+    legacy = any((spec.out / r.name).is_dir() for r in spec.runs()) or (
+        spec.out / PREREG_FILE).exists()  # a ladder directory from before the marker
+    outputs.check_dir(spec.out, ours=outputs.is_ours(spec.out) or legacy)
+
+
+def _check_law(spec: LadderSpec) -> None:
+    law = spec.fit.law
+    if law not in LAW_MINIMUM:
+        return  # the curve law fits every evaluation of every rung: dozens of points
+    what, needed = LAW_MINIMUM[law]
+    points = spec.points()
+    have = (len(points) if law == "chinchilla" else
+            int(compute_levels([runs[0].compute for runs in points.values()]).max()) + 1)
+    if have < needed:
+        raise ConfigError(f"fit.law: {law} needs at least {needed} {what}, the spec has "
+                          f"{have}; add rungs or choose another fit.law")
+
+
+def _check_noise(spec: LadderSpec) -> None:
+    replicated = any(len(runs) > 1 for runs in spec.points().values())
+    if not replicated and spec.fit.noise_sd is None:
+        raise ConfigError("the spec has no seed replicates (`seeds: [..]`) and no "
+                          "fit.noise_sd, so the prediction's interval would have no measured "
+                          "noise; add seeds, or state fit.noise_sd from an earlier measurement")
+
+
+def _check_sources(spec: LadderSpec) -> None:
+    """Stage mixtures against the corpus, where it is prepared already (a default corpus
+    prepared by the first rung is checked by the trainer, before it trains)."""
+    from moelab.data.loader import META_FILE, read_meta
+
+    for rung in spec.runs():
+        path = data_dir(rung.config.data.path)
+        if not (path / META_FILE).is_file():
+            continue
+        try:
+            sources = list(read_meta(path)["sources"])
+        except UserError:
+            continue  # a damaged corpus: the trainer says what is wrong with it
+        try:
+            check_sources(rung.config.plan, sources)
+        except ConfigError as err:
+            raise ConfigError(f"{rung.name}: {err}") from None

@@ -1,0 +1,96 @@
+"""What repetition a ladder's runs see, and the refusal to extrapolate past it.
+
+Every run's passes over each source's train tokens, per stage as its mixtures draw them
+(`moelab.data.passes`), and the corpus they are drawn from (its content sha256). A target
+that passes over some source more often than any rung did would be predicted in a regime
+the rungs never measured: the published decay (Muennighoff et al., `fit.repetition`)
+makes a repeated token worth less, never worth harm, while a small model on few unique
+tokens overfits and its validation loss rises. So pre-registration refuses such a target
+unless the spec accepts it explicitly (`fit.accept_repetition: true`, recorded). Rungs
+that repeat the corpus raise what the rungs measured, and
+`fit.repetition: measured` predicts from the law fitted on them (moelab.ladder.overfit);
+it is refused before any rung trains when fewer than two pass counts above 1 are measured.
+
+Passes up to one are not repetition: a target under one pass over every source is never
+refused, however few passes its rungs made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moelab.config import data_dir
+from moelab.data.loader import read_meta
+from moelab.data.passes import max_passes, plan_passes
+from moelab.data.prepare import check_preset_prepared
+from moelab.errors import UserError
+from moelab.ladder.spec import LadderSpec, Rung
+
+# A target may pass over a source up to this factor more often than the rungs' most before
+# it is "past the rungs": the rungs' counts are exact, so this is room for a spec whose
+# target is meant to match them, not noise.
+MARGIN = 0.1
+
+
+def run_passes(rung: Rung) -> list[dict[str, Any]]:
+    """Per stage of the run's plan: its passes over each source (moelab.data.passes)."""
+    cfg = rung.config
+    check_preset_prepared(cfg.data.path)
+    meta = read_meta(data_dir(cfg.data.path))
+    return plan_passes(meta, cfg.plan, cfg.data.max_epochs or None)
+
+
+def corpus(spec: LadderSpec) -> dict[str, Any]:
+    """The target's corpus: where, its content sha256, its train tokens per source."""
+    path = spec.target.config.data.path
+    meta = read_meta(data_dir(path))
+    return {"path": path, "content_sha256": meta.get("content_sha256"),
+            "train_tokens": dict(meta["train_tokens"])}
+
+
+def repetition(spec: LadderSpec) -> dict[str, Any]:
+    """Every run's passes per stage and source, the rungs' most and the target's per
+    source, which sources the target passes over beyond the rungs, and whether the spec
+    accepts that. Needs the data prepared (read_meta's UserError says how otherwise)."""
+    runs = {r.name: run_passes(r) for r in spec.runs()}
+    rungs_max: dict[str, float] = {}
+    for rung in spec.rungs:
+        for source, p in max_passes(runs[rung.name]).items():
+            rungs_max[source] = max(rungs_max.get(source, 0.0), p)
+    target = max_passes(runs[spec.target.name])
+    beyond = sorted(s for s, p in target.items()
+                    if p > max(1.0, rungs_max.get(s, 0.0) * (1 + MARGIN)))
+    repeated = sorted({round(max(max_passes(runs[r.name]).values(), default=0.0), 2)
+                       for r in spec.rungs} - {0.0})
+    return {"runs": runs, "rungs_max": rungs_max, "target": target,
+            "target_max": max(target.values(), default=0.0), "margin": MARGIN,
+            "beyond_rungs": beyond, "accepted": spec.fit.accept_repetition,
+            "measured": spec.fit.repetition == "measured",
+            "rung_passes": [p for p in repeated if p > 1.0]}
+
+
+def refusal(rep: dict[str, Any]) -> str | None:
+    """The one-line reason pre-registration refuses, or None."""
+    if rep.get("measured") and len(rep["rung_passes"]) < 2:
+        return (f"fit.repetition: measured fits the law that can rise with passes on the "
+                f"rungs, but they repeat their data at {len(rep['rung_passes'])} pass "
+                f"count(s) above 1 ({rep['rung_passes']}); add rungs trained for 2 to 16 "
+                "passes over the corpus, or set fit.repetition: "
+                "muennighoff")
+    if not rep["beyond_rungs"] or rep["accepted"]:
+        return None
+    cells = ", ".join(f"{s} {rep['target'][s]:.2f} (rungs at most "
+                      f"{rep['rungs_max'].get(s, 0.0):.2f})" for s in rep["beyond_rungs"])
+    return (f"the target passes over {cells} times, past what the rungs measured, where the "
+            "published repetition decay cannot see overfitting; train it on more unique "
+            "tokens (a larger corpus, `moelab data prepare --preset ladder`, or another "
+            "mixture), or set fit.accept_repetition: true to pre-register anyway")
+
+
+def check(spec: LadderSpec) -> dict[str, Any]:
+    """`repetition(spec)`, raising a UserError with the refusal's reason if it refuses."""
+    rep = repetition(spec)
+    reason = refusal(rep)
+    if reason:
+        raise UserError(f"ladder {spec.name}: {reason}")
+    return rep

@@ -1,0 +1,1 @@
+"""`moelab serve`: a run's checkpoint behind an OpenAI-compatible HTTP API."""

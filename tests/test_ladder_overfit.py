@@ -1,0 +1,137 @@
+"""The repetition law that can rise (moelab.ladder.overfit), on synthetic rungs only."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from moelab.config import ConfigError
+from moelab.ladder import predict, repetition
+from moelab.ladder.fit import FitError
+from moelab.ladder.overfit import fit_overfit
+from moelab.ladder.predict import forecast
+from moelab.ladder.report import _repetition_lines
+from moelab.ladder.results import RunResult
+from moelab.ladder.spec import spec_from_dict
+
+TRUE = {"E": 1.8, "A": 1.2, "a": 0.35, "B": 1.5, "b": 0.3, "P": 0.04, "r": 1.1, "s": 0.6}
+NOISE = 0.004  # nats per run, about the seed sd the ladder measures on its rungs
+
+
+def _runs(seed: int = 0):
+    """Muennighoff's design: 4 widths, each on 2 fixed unique subsets for 1..16 passes."""
+    n, u, r = (np.array(v, float).ravel() for v in np.meshgrid(
+        [1e6, 2e6, 4e6, 8e6], [2e6, 8e6], [1, 2, 4, 8, 16], indexing="ij"))
+    d = u * r
+    t = TRUE
+    q = (n / u) / (n / u).min()
+    loss = (t["E"] + t["A"] * (n / n.min()) ** -t["a"] + t["B"] * (d / d.min()) ** -t["b"]
+            + t["P"] * np.maximum(r - 1, 0) ** t["r"] * q ** t["s"])
+    rng = np.random.default_rng(seed)
+    return n, d, r, loss + NOISE * rng.standard_normal(len(loss))
+
+
+def test_recovers_the_penalty_within_its_interval_and_rises_where_muennighoff_cannot():
+    n, d, r, loss = _runs()
+    fit = fit_overfit(n, d, r, loss)
+    # a 90% interval covers the true P in 9 of 10 noise draws; this seed is one draw
+    assert fit.P_interval[0] <= TRUE["P"] <= fit.P_interval[1]
+    assert fit.P_interval[1] / fit.P_interval[0] < 3  # 40 runs pin it, not just bound it
+    assert fit.rmse < 2 * NOISE  # the law describes the points down to their noise
+    # the smallest width on the largest ratio turns up with passes: the fit says so too
+    small = (n == n.min()) & (d / r == 2e6)
+    assert np.argmin(loss[small]) < small.sum() - 1  # the data turn up
+    curve = fit.predict(n[small], d[small], r[small])
+    assert curve[-1] > curve.min() + 5 * NOISE
+    # Muennighoff's decay only discounts repeats: its loss never rises with passes, so its
+    # residual stays far above the noise the rising law reaches
+    assert fit.muennighoff["rmse"] > 3 * fit.rmse
+    iv = fit.interval(float(n[0]), float(d[-1]), 16.0)
+    assert iv["low"] < iv["value"] < iv["high"]
+
+
+def test_refuses_points_without_repetition():
+    n, d, r, loss = _runs()
+    once = r == 1
+    with pytest.raises(FitError, match="two or more pass counts above 1"):
+        fit_overfit(n[once], d[once], r[once], loss[once])
+
+
+def _measuring_spec(tmp_path, **fit):
+    """Two widths, each on a small unique subset U1 (100 steps' tokens) for 1..16 passes
+    and on U2 (400 steps') for 1..4: Muennighoff's design, 16 points; the target 16x the
+    largest rung's compute."""
+    base = tiny_config(tmp_path / "data", model={"n_layers": 1},
+                       optim={"warmup_steps": 5}, train={"log_every": 1000})
+    rungs, passes = [], {}
+    for d in (16, 32):
+        for group, first, counts in (("a", 100, (1, 2, 4, 8, 16)), ("b", 400, (1, 2, 4))):
+            for k in counts:
+                name = f"w{d}-{group}{k}"
+                rungs.append({"name": name, "model": {"d_model": d, "d_ff": d},
+                              "train": {"steps": first * k}})
+                passes[name] = float(k)
+    raw = {"base": base, "evals": 2, "rungs": rungs,
+           "target": {"name": "big", "model": {"d_model": 64, "d_ff": 64},
+                      "train": {"steps": 6400}},
+           "fit": {"bootstrap": 20, "noise_sd": NOISE, "repetition": "measured", **fit}}
+    passes["big"] = 6.0
+    return spec_from_dict(raw, "measured", tmp_path / "ladder"), passes
+
+
+def _true_loss(n, d, r, n0, d0, q0):
+    t = TRUE
+    return (t["E"] + t["A"] * (n / n0) ** -t["a"] + t["B"] * (d / d0) ** -t["b"]
+            + t["P"] * max(r - 1, 0) ** t["r"] * ((n * r / d) / q0) ** t["s"])
+
+
+def test_measured_repetition_is_the_preregistered_law(tmp_path, monkeypatch):
+    """fit.repetition: measured: the pre-registration's prediction is the rising law fitted
+    on the rungs' own passes (as moelab.data.passes counts them; here given per run), at
+    the target's passes, with Muennighoff's R* fitted beside the published one."""
+    spec, passes = _measuring_spec(tmp_path)
+    monkeypatch.setattr(predict, "run_passes",
+                        lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
+    n = np.array([r.active_params for r in spec.rungs], float)
+    d = np.array([r.tokens for r in spec.rungs], float)
+    r = np.array([passes[x.name] for x in spec.rungs])
+    scale = (n.min(), d.min(), (n * r / d).min())
+    rng = np.random.default_rng(1)
+    results = []
+    for i, rung in enumerate(spec.rungs):
+        loss = _true_loss(n[i], d[i], r[i], *scale) + NOISE * rng.standard_normal()
+        results.append(RunResult(rung.name, rung.point, rung.seed, rung.active_params,
+                                 rung.total_params, rung.tokens, rung.compute, loss, {},
+                                 [{"step": rung.config.train.steps, "loss": loss}]))
+    record = forecast(spec, results, [])
+    p, t = record["prediction"], spec.target
+    assert p["law"] == "repetition" and record["laws"]["repetition"]["value"] == p["value"]
+    # a 90% interval at the target covers the true law there (one noise draw)
+    assert p["low"] <= _true_loss(t.active_params, t.tokens, 6.0, *scale) <= p["high"]
+    measured = record["repetition"]["measured"]
+    assert measured["P_interval"]["low"] <= TRUE["P"] <= measured["P_interval"]["high"]
+    assert measured["muennighoff"]["published_r_star"] == pytest.approx(15.39)
+    assert measured["muennighoff"]["r_star"] > 0 and record["repetition"]["target_passes"] == 6
+    # the record is written as JSON; the report sets the measured cost beside the published
+    (line,) = _repetition_lines(json.loads(json.dumps(record))["repetition"]["measured"])
+    assert "published 15.39" in line and f"P {measured['P']:.4g}" in line
+
+
+def test_measured_repetition_needs_enough_rungs_and_repeating_rungs(tmp_path):
+    raw = {"base": tiny_config(tmp_path / "data"),
+           "rungs": [{"train": {"steps": s}} for s in (10, 20, 40)],
+           "target": {"train": {"steps": 400}}, "fit": {"repetition": "measured"}}
+    with pytest.raises(ConfigError, match="needs as many rung points, got 3"):
+        spec_from_dict(raw, "few", tmp_path / "ladder")
+    raw["rungs"] += [{"train": {"steps": s}} for s in (80, 160, 320, 640, 1280)]
+    raw["target"]["train"]["steps"] = 40000
+    raw["rungs"][0]["data"] = {"path": str(tmp_path / "small")}
+    with pytest.raises(ConfigError, match="must share its corpus"):
+        spec_from_dict(raw, "other-corpus", tmp_path / "ladder")
+    raw["fit"]["repetition"] = "decay"
+    with pytest.raises(ConfigError, match="fit.repetition: 'decay' is not one of"):
+        spec_from_dict(raw, "bad", tmp_path / "ladder")
+    once = {"beyond_rungs": [], "accepted": False, "measured": True, "rung_passes": [4.0]}
+    assert "at 1 pass count(s) above 1" in repetition.refusal(once)
+    assert repetition.refusal({**once, "rung_passes": [2.0, 4.0]}) is None

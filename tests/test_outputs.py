@@ -1,0 +1,150 @@
+"""No command deletes or overwrites what moelab did not create, and every writer refuses a
+bad output path in one line before it computes anything (issue 45, items 1 and 2).
+
+Tests run as root, where a directory's mode bits do not stop writes; "not writable" is
+simulated by monkeypatching `moelab.outputs.writable` (the one os.access check every writer
+goes through), and "under a file" by a path below a regular file, which no user can write.
+"""
+
+import json
+
+import pytest
+import yaml
+from conftest import copy_runs, tiny_config
+
+from moelab import outputs
+from moelab.cli import main
+from moelab.lab.store import Store
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as stop:  # argparse's own refusals
+        code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(code: int, err: str, *words: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("moelab "), err
+    for word in words:
+        assert word in lines[0], err
+
+
+@pytest.fixture
+def root(small_runs, tmp_path, monkeypatch):
+    return copy_runs(small_runs, tmp_path, monkeypatch)
+
+
+def user_dir(path):
+    """A directory with a user's file in it: what no command may delete."""
+    path.mkdir(parents=True)
+    (path / "mine.txt").write_text("keep me")
+    return path
+
+
+def bad_paths(root):
+    """(path, words the refusal names) for each kind of output path a writer must refuse."""
+    afile = root / "afile"
+    afile.write_text("x")
+    return [(afile, "is a file"), (afile / "sub", "which is a file"),
+            (user_dir(root / "theirs"), "not empty")]
+
+
+def untouched(root):
+    assert (root / "afile").read_text() == "x"
+    assert [p.name for p in (root / "theirs").iterdir()] == ["mine.txt"]
+
+
+def test_export_refuses_bad_outputs_and_force_replaces_only_its_own(root, capsys):
+    for path, words in bad_paths(root):
+        one_line_error(*cli(capsys, "export", "full", "--out", path)[::2], words)
+    one_line_error(*cli(capsys, "export", "full", "--out", root / "theirs", "--force")[::2],
+                   "did not make it")
+    untouched(root)
+    assert cli(capsys, "export", "full", "--out", root / "hf")[0] == 0
+    assert outputs.is_ours(root / "hf")
+    one_line_error(*cli(capsys, "export", "full", "--out", root / "hf")[::2], "--force")
+    (root / "hf" / "stale.txt").write_text("from before")
+    assert cli(capsys, "export", "full", "--out", root / "hf", "--force")[0] == 0
+    assert not (root / "hf" / "stale.txt").exists()  # replaced whole: it was moelab's
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []  # no temp
+
+
+def test_unwritable_output_is_refused_before_anything_is_written(root, capsys, monkeypatch):
+    monkeypatch.setattr(outputs, "writable", lambda path: False)
+    one_line_error(*cli(capsys, "export", "full", "--out", root / "new" / "hf")[::2],
+                   "not writable")
+    one_line_error(*cli(capsys, "eval", "bpb", "full", "--out", root / "ev")[::2],
+                   "not writable")
+    assert not (root / "new").exists() and not (root / "ev").exists()
+
+
+def test_export_verify_never_deletes_a_users_hf_directory(root, capsys):
+    out = root / "exports"
+    user_dir(out / "hf")
+    (out / "hf" / "config.json").write_text("{}")
+    code, _, err = cli(capsys, "export", "verify", "full", "--out", out)
+    one_line_error(code, err)
+    assert sorted(p.name for p in (out / "hf").iterdir()) == ["config.json", "mine.txt"]
+    for path, words in bad_paths(root):
+        one_line_error(*cli(capsys, "export", "verify", "full", "--out", path)[::2], words)
+    untouched(root)
+
+
+def test_eval_outputs_are_checked_before_loading(root, capsys):
+    for path, words in bad_paths(root):
+        one_line_error(*cli(capsys, "eval", "bpb", "full", "--out", path)[::2], words)
+        one_line_error(*cli(capsys, "eval", "tasks", "full", "--out", path)[::2], words)
+    one_line_error(*cli(capsys, "eval", "longctx", "full", "--out", root / "theirs")[::2],
+                   "is a directory")
+    one_line_error(*cli(capsys, "eval", "longctx", "full", "--out",
+                        root / "afile" / "x.json")[::2], "which is a file")
+    untouched(root)
+
+
+def test_ladder_run_refuses_bad_outputs_before_the_first_rung(root, capsys):
+    spec = {"base": tiny_config("./data"), "seeds": [0, 1],
+            "rungs": [{"name": f"r{d}", "model": {"d_model": d}} for d in (16, 24, 32)],
+            "target": {"name": "big", "model": {"d_model": 32}, "train": {"steps": 400}},
+            "fit": {"law": "compute"}}
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    for path, words in bad_paths(root):
+        one_line_error(*cli(capsys, "ladder", "run", "spec.yaml", "--out", path)[::2], words)
+    untouched(root)
+
+
+def test_attach_to_an_unwritable_run_leaves_no_lab_run_and_a_retry_makes_one(
+        root, capsys, monkeypatch):
+    lab = root / "lab.sqlite"
+    code, out, _ = cli(capsys, "lab", "--lab", lab, "new", "x", "--hypothesis", "h",
+                       "--config", "config.yaml")
+    exp = out.split()[0] if code == 0 else pytest.fail(out)
+    with monkeypatch.context() as m:
+        m.setattr(outputs, "writable", lambda path: False)
+        one_line_error(*cli(capsys, "lab", "--lab", lab, "attach", "full",
+                            "--experiment", exp)[::2], "not writable")
+    # the run dir refusing the record inside the store's transaction: rolled back
+    from pathlib import Path
+
+    with monkeypatch.context() as m:
+        real = Path.write_text
+
+        def refuse(self, *args, **kwargs):
+            if self.name == "lab_run.json":
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self, *args, **kwargs)
+
+        m.setattr(Path, "write_text", refuse)
+        code, _, err = cli(capsys, "lab", "--lab", lab, "attach", "full", "--experiment", exp)
+        one_line_error(code, err, "Permission denied")
+    with Store(lab) as store:
+        assert store.runs(exp) == []
+    assert cli(capsys, "lab", "--lab", lab, "attach", "full", "--experiment", exp)[0] == 0
+    one_line_error(*cli(capsys, "lab", "--lab", lab, "attach", "full", "--experiment",
+                        exp)[::2], "already attached")
+    with Store(lab) as store:
+        assert len(store.runs(exp)) == 1
+    assert json.loads((root / "full" / "lab_run.json").read_text())["experiment"] == exp
