@@ -3,19 +3,19 @@
 A record (bench/results/<ladder>/<version>/preregistration.json) holds its inputs: every
 rung run's config, scores and whole-split curve (`rungs`), the target's config (`target`)
 and the fit options (`fit_options`). Each test rebuilds the ladder and the rungs' results
-from those alone and calls the function `moelab ladder run` writes the record with
-(runner.preregister) into a fresh directory; every value of the committed record must then
-come back bitwise (compared as JSON text, so 3.0 != 3 and no tolerance), except:
+from those alone and calls predict.forecast, the function `moelab ladder run`
+(runner.preregister) takes all of the record's content from but its bookkeeping; every
+committed value must then come back bitwise (compared as JSON text, so 3.0 != 3 and no
+tolerance), except:
 
-- created_at and code_version (when and by which commit it was written), and the sha256,
-  which covers those two as well (prereg.record_sha256), so it cannot come back from a new
-  write. It is checked against the committed content instead (prereg.read): with every
-  other value equal, the record written today with the old created_at and code_version
-  hashes to the committed sha256 (where its format has not grown since, see below);
-- fields the record format gained after the record was written (ADDED): the recomputed
-  record has them, the committed one cannot; a committed field is never skipped. Likewise
-  a run's config gains the config fields added since (at their defaults, which keep old
-  configs' behaviour), and its config_sha256, a hash of the whole config, then differs.
+- the bookkeeping runner.preregister adds around it (BOOKKEEPING): when and by which
+  commit the record was written, the inputs themselves, the corpus and its passes as read
+  from the prepared data, and the sha256, which covers created_at and code_version as well
+  (prereg.record_sha256), so it cannot come back from a new run. It is checked against the
+  committed content instead (prereg.read): with every other value equal, the record
+  written today with the old bookkeeping hashes to the committed sha256;
+- fields the record gained after it was written (ADDED): the recomputed record has them,
+  the committed one cannot. A committed field is never skipped.
 
 A fit option added after a record was written is given the value that reproduces the code
 of its time: the default, or LEGACY_OPTIONS where the default changed the numbers. So a new
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +38,20 @@ import pytest
 from moelab.config import HOME_ENV, config_from_dict
 from moelab.data.loader import META_FILE
 from moelab.ladder import prereg
+from moelab.ladder.predict import forecast
 from moelab.ladder.results import RunResult
-from moelab.ladder.runner import preregister
 from moelab.ladder.spec import FitOptions, LadderSpec, Rung
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 RECORDS = sorted(RESULTS.glob(f"*/*/{prereg.PREREG_FILE}"))
-# when and by which commit the record was written, and the hash that covers them
-BOOKKEEPING = ("created_at", "code_version", "sha256")
+# what runner.preregister writes around forecast's content
+BOOKKEEPING = {"kind", "ladder", "created_at", "code_version", "sha256", "rungs", "target",
+               "corpus", "passes"}
 # fit.repetition (2d08655) made "muennighoff" the default; the records written before it
 # counted every token the same
 LEGACY_OPTIONS = {"repetition": "none"}
-# Fields the record gained after some committed records were written ([] stands for any
-# list index; a trailing "." for every key below): the commit that added each
+# Fields the record gained after some committed records were written (a trailing "." for
+# every key below): the commit that added each
 ADDED = {
     "fit_options.": "any fit option added since the record (LEGACY_OPTIONS or its default)",
     "repetition": "2d08655 fit.repetition",
@@ -59,10 +59,6 @@ ADDED = {
     "laws.curve.extrapolation": "5141065 the curve law's extrapolation checks",
     "laws.curve.extrapolation.epochs": "954006a passes over the corpus",
     "laws.curve.extrapolation.rungs_s1_max": "8253251 fit.stage_law",
-    "rungs[].matrix_lr": "c7be03f the width-scaled matrix lr in the run summary",
-    "target.matrix_lr": "c7be03f the width-scaled matrix lr in the run summary",
-    "rungs[].config.": "any config field added since the record",
-    "target.config.": "any config field added since the record",
 }
 # What the bootstrap's refits decide (the quick check draws 10 of them, not 1,000)
 BOOTSTRAP_FIELDS = {"bootstrap", "interval", "low", "high", "method"}
@@ -85,7 +81,8 @@ def newest_per_ladder(paths: list[Path]) -> list[Path]:
 
 def recompute(record: dict[str, Any], out: Path, monkeypatch, bootstrap: int | None = None
               ) -> dict[str, Any]:
-    """The record `ladder run` writes today from `record`'s rungs, target and fit options."""
+    """The content `ladder run` pre-registers today from `record`'s rungs, target and fit
+    options, as it reads back from the JSON file."""
 
     def rung(run: dict[str, Any]) -> Rung:
         return Rung(run["name"], config_from_dict(run["config"]), run["point"], run["parent"],
@@ -113,48 +110,39 @@ def recompute(record: dict[str, Any], out: Path, monkeypatch, bootstrap: int | N
             "train_tokens": {"train": epochs["train_tokens"]}, "val_tokens": {"train": 0}}))
     spec = LadderSpec(record["ladder"], out / "ladder", tuple(rungs), target,
                       FitOptions(**options), tuple(lr_runs))
-    preregister(spec, [results[r.name] for r in rungs], [results[r.name] for r in lr_runs])
-    return json.loads((spec.out / prereg.PREREG_FILE).read_text())
+    content = forecast(spec, [results[r.name] for r in rungs], [results[r.name] for r in lr_runs])
+    return json.loads(json.dumps(content))
 
 
-def compare(committed: Any, recomputed: Any, ignore: set[str], path: str = ""
-            ) -> tuple[list[str], list[str]]:
-    """(differences, fields only the recomputed record has: all of them in ADDED)."""
-    diffs: list[str] = []
-    added: list[str] = []
+def compare(committed: Any, recomputed: Any, ignore: set[str], path: str = "") -> list[str]:
+    """Where `recomputed` is not `committed` bitwise: a value, a missing key, or an extra
+    key that is not in ADDED; keys named in `ignore` are skipped at every depth."""
     if isinstance(committed, dict) and isinstance(recomputed, dict):
-        config_grew = False  # "config" sorts before "config_sha256"
-        for key in sorted(committed.keys() | recomputed.keys()):
+        diffs = []
+        for key in sorted((committed.keys() | recomputed.keys()) - ignore):
             at = f"{path}.{key}" if path else key
-            if key in ignore or (key == "config_sha256" and config_grew):
-                continue
             if key not in recomputed:
                 diffs.append(f"{at}: not in the recomputed record")
             elif key not in committed:
-                shape = re.sub(r"\[\d+\]", "[]", at)
-                if any(shape == a or (a.endswith(".") and shape.startswith(a)) for a in ADDED):
-                    added.append(at)
-                else:
+                if not any(at == a or (a.endswith(".") and at.startswith(a)) for a in ADDED):
                     diffs.append(f"{at}: not in the committed record")
             else:
-                d, a = compare(committed[key], recomputed[key], ignore, at)
-                diffs, added = diffs + d, added + a
-                config_grew = config_grew or (key == "config" and bool(a))
-    elif isinstance(committed, list) and isinstance(recomputed, list) and (
+                diffs += compare(committed[key], recomputed[key], ignore, at)
+        return diffs
+    if isinstance(committed, list) and isinstance(recomputed, list) and (
             len(committed) == len(recomputed)):
-        for i, (c, r) in enumerate(zip(committed, recomputed, strict=True)):
-            d, a = compare(c, r, ignore, f"{path}[{i}]")
-            diffs, added = diffs + d, added + a
-    elif json.dumps(committed) != json.dumps(recomputed):
-        diffs.append(f"{path}: committed {committed!r}, recomputed {recomputed!r}")
-    return diffs, added
+        return [d for i, (c, r) in enumerate(zip(committed, recomputed, strict=True))
+                for d in compare(c, r, ignore, f"{path}[{i}]")]
+    if json.dumps(committed) != json.dumps(recomputed):
+        return [f"{path}: committed {committed!r}, recomputed {recomputed!r}"]
+    return []
 
 
 def check(path: Path, tmp_path: Path, monkeypatch, bootstrap: int | None = None) -> None:
     committed = prereg.read(path)  # unedited since written: its sha256 covers its content
+    content = {k: v for k, v in committed.items() if k not in BOOKKEEPING}
     recomputed = recompute(committed, tmp_path, monkeypatch, bootstrap)
-    ignore = set(BOOKKEEPING) | (BOOTSTRAP_FIELDS if bootstrap else set())
-    diffs, _ = compare(committed, recomputed, ignore)
+    diffs = compare(content, recomputed, BOOTSTRAP_FIELDS if bootstrap else set())
     assert not diffs, f"{record_id(path)} does not reproduce:\n" + "\n".join(diffs[:20])
 
 
