@@ -12,8 +12,7 @@ tolerance), except:
   commit the record was written, the inputs themselves, the corpus and its passes as read
   from the prepared data, and the sha256, which covers created_at and code_version as well
   (prereg.record_sha256), so it cannot come back from a new run. It is checked against the
-  committed content instead (prereg.read): with every other value equal, the record
-  written today with the old bookkeeping hashes to the committed sha256;
+  committed content instead (prereg.read), so the values compared are the ones it covers;
 - fields the record gained after it was written (ADDED): the recomputed record has them,
   the committed one cannot. A committed field is never skipped.
 
