@@ -395,6 +395,18 @@ def headline(results: Path = RESULTS) -> str:
     rows.append(["`moelab train` (tiny preset): held-out bits per byte, macro over domains, "
                  "[eval_tiny](bench/results/eval_tiny/)", "", f"{ev['bpb']['val_bpb_macro']}",
                  ""])
+    sft = load("sft/sft.json")
+    rows.append([f"SFT on the QA set: held-out assistant-token loss, base -> SFT "
+                 f"({len(sft['base']['loss']['values'])} seeds), [sft](bench/results/sft/)", "",
+                 f"{sft['base']['loss']['mean']:.3f} ± {sft['base']['loss']['sd']:.3f} -> "
+                 f"{sft['sft']['loss']['mean']:.3f} ± {sft['sft']['loss']['sd']:.3f}",
+                 f"exact match {sft['base']['exact_match']['mean']:.0%} -> "
+                 f"{sft['sft']['exact_match']['mean']:.0%}"])
+    mem = load("benchmarks/attention_memory.json")["summary"]
+    rows.append(["train step's peak memory per doubling of the sequence, 2K-16K (dense / "
+                 "chunked attention), [attention_memory](bench/results/benchmarks/)", "",
+                 f"{mem['dense']['max_peak_ratio_2k_16k']:.2f}x / "
+                 f"{mem['chunked']['max_peak_ratio_2k_16k']:.2f}x", ""])
     lines = [BEGIN, "", "| result | predicted [90%] | measured | error |", "|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines + ["", END])

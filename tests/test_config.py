@@ -32,6 +32,7 @@ from moelab.config import ConfigError, config_from_dict, load_config
         ({"moe": {"bias_rate_schedule": "lr_decay"}}, "moe.bias_rate_schedule"),  # no bias
         ({"data": {"mixture": {"code": -1.0}}}, "data.mixture.code"),
         ({"optim": {"lr_base_width": -32}}, "optim.lr_base_width"),
+        ({"mtp": {"depth": 1}, "data": {"conversations": "sft/train.jsonl"}}, "mtp.depth"),
     ],
 )
 def test_bad_config_names_the_field(raw, field):

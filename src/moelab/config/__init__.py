@@ -563,6 +563,9 @@ def validate(config: Config) -> None:
     _require(config.mtp.depth < d.seq_len, "mtp.depth",
              f"{config.mtp.depth} leaves no position to predict in data.seq_len={d.seq_len} "
              "tokens; use fewer MTP modules")
+    _require(not (config.mtp.depth and d.conversations), "mtp.depth",
+             "multi-token prediction does not take packed conversations' loss mask and "
+             "restarting positions; set mtp.depth: 0 for a run on data.conversations")
     _require(math.isfinite(d.max_epochs) and d.max_epochs >= 0, "data.max_epochs",
              f"must be a finite number >= 0 (0 = no cap), got {d.max_epochs}")
     _require(0 <= d.short_rows <= d.batch_size, "data.short_rows",
