@@ -524,6 +524,7 @@ def test_fuzz_surfaces(small_runs, tmp_path, monkeypatch, capfd):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fuzz_surfaces_long(small_runs, tmp_path, monkeypatch, capfd):
     tally = fuzz_surfaces(small_runs, tmp_path, monkeypatch, capfd, SLOW_SURFACE_CASES)
     report(tally, capfd)

@@ -40,7 +40,8 @@ def ray_spec(data_path: Path) -> dict:
     return {"base": base, "seeds": [0], "evals": 2,
             "rungs": [rung("r1", 16, 40), rung("r2", 24, 40),
                       {**rung("r3", 32, 60), "branches": [50]}],
-            "target": target, "fit": {"bootstrap": 10, "law": "compute", "noise_sd": 0.01}}
+            "target": target, "fit": {"bootstrap": 10, "law": "compute", "noise_sd": 0.01,
+                   "accept_repetition": True}}  # ~3.4 passes over the tiny corpus
 
 
 @pytest.fixture(scope="module")

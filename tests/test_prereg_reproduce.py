@@ -158,6 +158,7 @@ def test_newest_preregistration_reproduces(path, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # 10-25 s of CPU per record: 1,000 bootstrap refits of each law
+@pytest.mark.extended
 @pytest.mark.parametrize("path", RECORDS, ids=record_id)
 def test_preregistration_reproduces_bitwise(path, tmp_path, monkeypatch):
     check(path, tmp_path, monkeypatch)
