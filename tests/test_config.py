@@ -3,6 +3,7 @@
 import pytest
 
 from moelab.config import ConfigError, config_from_dict, load_config
+from moelab.model import dispatch  # noqa: F401  (its registry checks moe.dispatch)
 
 
 @pytest.mark.parametrize(

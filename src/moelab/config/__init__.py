@@ -117,8 +117,9 @@ class MoEConfig:
     bias_rate_schedule: Literal["constant", "lr_decay"] = "constant"
     shared_expert: bool = False  # an always-on expert beside the routed ones
     d_ff_shared: int = 0  # 0 means d_ff
-    # the names of model/dispatch's registry (tests/test_dispatch.py checks they match)
-    dispatch: Literal["capacity", "pooled", "pooled_wave", "dropless"] = "dropless"
+    # a name in model/dispatch's registry (capacity, pooled, pooled_wave, dropless, or one
+    # added in a file of its own there), checked by the registry (see REGISTERED_CHECKS)
+    dispatch: str = "dropless"
     # capacity/pooled: each expert takes ceil(capacity_factor * group_tokens * top_k / n_experts)
     capacity_factor: float = 1.25
     pool_size: int = 0  # pooled: sequences per capacity pool; 0 means the whole (local) batch
@@ -528,6 +529,18 @@ def _validate_numbers(config: Config) -> None:
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
 
 
+# Checks that a higher layer adds when it is imported, (Config) -> None raising a
+# ConfigError that names the field: the dispatch registry (model/dispatch) adds the check
+# of moe.dispatch, so a dispatch's name is written in its own file only and this layer
+# imports nothing above it. Every command imports the model before it loads a config.
+REGISTERED_CHECKS: list[typing.Callable[[Config], None]] = []
+
+
+def register_check(check: typing.Callable[[Config], None]) -> typing.Callable[[Config], None]:
+    REGISTERED_CHECKS.append(check)
+    return check
+
+
 def validate(config: Config) -> None:
     """Raise ConfigError for shapes and combinations that cannot work."""
     _validate_numbers(config)
@@ -575,6 +588,8 @@ def validate(config: Config) -> None:
              f"(the short windows of data.short_rows), got {d.short_len}")
     _validate_mesh(config)
     _ = config.plan  # built once (cached): stages order, ends, mixtures, shapes, LR restarts
+    for check in REGISTERED_CHECKS:
+        check(config)
 
 
 def _validate_groups(moe: MoEConfig) -> None:

@@ -103,6 +103,7 @@ def run_curate(args: argparse.Namespace) -> int:
 def run_mix_search(args: argparse.Namespace) -> int:
     from moelab.config import load_config
     from moelab.curate.mixsearch import mix_search
+    from moelab.model import dispatch  # noqa: F401  (checks moe.dispatch by its registry)
     from moelab.train.cli import config_path, parse_overrides
 
     cfg = load_config(config_path(args.config), parse_overrides(args.set))

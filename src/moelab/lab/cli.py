@@ -103,6 +103,8 @@ def _open(args: argparse.Namespace, mode: Literal["rwc", "rw", "ro"]) -> Store:
 
 def _new(args: argparse.Namespace) -> None:
     path = config_path(args.config)
+    from moelab.model import dispatch  # noqa: F401  (checks moe.dispatch by its registry)
+
     load_config(path)  # refuse a config that could not run
     snapshot = read_yaml(path, "config") or {}
     with _open(args, "rwc") as store:
@@ -149,6 +151,8 @@ def _attach(args: argparse.Namespace) -> None:
     if not outputs.writable(run_dir):  # before the lab is touched
         raise UserError(f"{run_dir} is not writable: attaching records the lab run in it "
                         f"({LAB_RUN_FILE}); make it writable or copy the run")
+    from moelab.model import dispatch  # noqa: F401  (checks moe.dispatch by its registry)
+
     cfg = load_config(config_file)
     _open(args, "rw").close()  # the lab must exist: `moelab lab new` makes the experiment
     with RunDirLock(run_dir):  # not while a trainer is writing it

@@ -121,6 +121,7 @@ def parse_parent(value: str | None, weights_only: bool):
 def run(args: argparse.Namespace) -> int:
     from moelab import outputs
     from moelab.config import load_config
+    from moelab.model import dispatch  # noqa: F401  (checks moe.dispatch by its registry)
     from moelab.train.rundir import current_config_path
 
     if args.config is None:  # an existing run resumes with its own config, not a preset

@@ -13,8 +13,9 @@ A dispatch is one `DispatchEntry`, registered by name (`moe.dispatch` picks it):
                      the mesh); the built-ins' are filled in by moelab.parallel.expert, so
                      this layer never imports parallel; None: mesh.expert must be 1
 
-Nothing outside this module compares dispatch names; docs/dispatch.md shows how to add
-one (a file of its own in this package, and its name in config's MoEConfig.dispatch).
+Nothing outside this module compares dispatch names, and the config checks `moe.dispatch`
+through this registry (`config.register_check`); docs/dispatch.md shows how to add one: a
+file of its own in this package, and nothing else.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moelab.config import ConfigError, MoEConfig
+from moelab.config import ConfigError, MoEConfig, register_check
 from moelab.model.dispatch.capacity import capacity_dispatch, pooled_dispatch
 from moelab.model.dispatch.dropless import dropless_dispatch
 from moelab.model.dispatch.drops import Drops
@@ -62,6 +63,13 @@ def entry_of(moe: MoEConfig) -> DispatchEntry:
     if moe.dispatch not in DISPATCHES:
         raise ConfigError(f"moe.dispatch: {moe.dispatch!r} is not one of {list(DISPATCHES)}")
     return DISPATCHES[moe.dispatch]
+
+
+@register_check
+def _check_name(cfg: Config) -> None:
+    """moe.dispatch names a registered dispatch: run by every config validation once this
+    module is imported (the config layer knows no dispatch names)."""
+    entry_of(cfg.moe)
 
 
 def get_dispatch(moe: MoEConfig) -> Dispatch:
