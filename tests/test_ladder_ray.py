@@ -133,7 +133,9 @@ def test_ladder_on_a_ray_cluster_survives_a_killed_node(cluster, sequential, tmp
 
 
 @pytest.mark.slow
-def test_a_runs_own_error_fails_the_ladder_without_retrying(cluster, tmp_path, small_corpus):
+def test_a_bad_rung_fails_the_ladder_before_anything_trains(cluster, tmp_path, small_corpus):
+    """A rung on a dataset that is not there: the ladder's preflight (ladder/preflight.py)
+    refuses it in one line before any run starts on the cluster, so nothing is retried."""
     raw = ray_spec(small_corpus)
     raw["rungs"] = [raw["rungs"][0], {**raw["rungs"][1], "data": {"path": str(tmp_path / "x")}},
                     {"name": "r3", "model": {"d_model": 32, "d_ff": 32}, "train": {"steps": 60}}]
@@ -143,7 +145,8 @@ def test_a_runs_own_error_fails_the_ladder_without_retrying(cluster, tmp_path, s
     text, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, text  # the run's own error, as one line (a UserError)
     assert "Traceback" not in text and "is not a prepared dataset" in text
-    assert len(attempts(tmp_path / "runs" / "ladder" / "bad" / "r2-s0")) == 1  # not retried
+    assert not (tmp_path / "runs" / "ladder" / "bad").exists() or not attempts(
+        tmp_path / "runs" / "ladder" / "bad" / "r2-s0")  # nothing ran, nothing retried
 
 
 def test_bad_addresses_and_impossible_requests_fail_fast(cluster, tmp_path, small_corpus,
