@@ -109,6 +109,19 @@ def test_eval_longctx_cli_writes_every_probe(trained_run, capsys):
     assert all(counts[s][">=128"] >= counts[s][">=256"] for s in counts)
 
 
+@pytest.mark.parametrize("original", [str(10**30), "5000"])
+def test_eval_longctx_refuses_probes_longer_than_its_text(trained_run, capsys, original):
+    """A context longer than the held-out text is a one-line refusal before any scoring
+    (it was a numpy traceback)."""
+    from moelab.cli import main
+
+    code = main(["eval", "longctx", str(trained_run[0]), "--original", original, "--out",
+                 str(trained_run[0].parent / "refused.json")])
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (trained_run[0].parent / "refused.json").exists()
+
+
 def test_loss_by_position_averages_each_bucket_of_the_documents(trained_run):
     """Buckets of 16 over 48 positions: each equals the mean CE of those positions,
     computed here from a plain forward."""

@@ -139,6 +139,9 @@ def passkey(model, tokenizer, filler: np.ndarray, length: int, depths=DEPTHS,
             if min(n_fill) < 1:
                 raise UserError(f"passkey length {length} is too short for the key "
                                 f"sentence and query ({len(needles[0]) + len(query)} tokens)")
+            if max(n_fill) >= len(filler):
+                raise UserError(f"passkey length {length} needs more filler than the "
+                                f"{len(filler)} held-out tokens")
             start = int(rng.integers(0, len(filler) - max(n_fill)))
             for needle, n in zip(needles, n_fill, strict=True):  # the trial, then its control
                 rows.append(passkey_row(filler[start:start + n], needle, query, depth))
@@ -193,6 +196,10 @@ def evaluate(model, data_dir: str | Path, original: int, max_multiple: int = MUL
     tokenizer = load_tokenizer(data_dir)
     multiples = [m for m in MULTIPLES if m <= max_multiple]
     longest = original * multiples[-1]
+    if longest + 1 >= len(filler):
+        raise UserError(f"the longest probe ({original} x {multiples[-1]} = {longest} tokens) "
+                        f"needs more held-out text than the {len(filler)} tokens in {data_dir}; "
+                        f"lower --original or --max-multiple")
     return {
         "original_length": original,
         "documents_by_length": length_counts(docs),
