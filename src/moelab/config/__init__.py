@@ -176,6 +176,11 @@ class DataConfig:
     # at most this many passes over each mixture component's train tokens in the run
     # (weights above the cap move to the other components); 0 = no cap
     max_epochs: float = 0.0
+    # source -> how many of its train tokens a run may read (the first ones): a fixed unique
+    # subset that a longer run passes over again, as in Muennighoff et al.'s repetition
+    # ladders (a source not named is read whole; {} = every token). Passes are counted
+    # against the subset; a mixture of {} still weighs sources by their full size.
+    unique_tokens: dict[str, int] = field(default_factory=dict)
     # The first short_rows sequences of every batch are cut into windows of short_len
     # tokens that attend only within themselves: short-context data inside a long-context
     # batch (ProLong's mix; a stage's short_fraction sets both). 0 = none.
@@ -581,6 +586,14 @@ def validate(config: Config) -> None:
              "restarting positions; set mtp.depth: 0 for a run on data.conversations")
     _require(math.isfinite(d.max_epochs) and d.max_epochs >= 0, "data.max_epochs",
              f"must be a finite number >= 0 (0 = no cap), got {d.max_epochs}")
+    for source, n in d.unique_tokens.items():
+        _require(isinstance(n, int) and not isinstance(n, bool) and n > d.seq_len,
+                 "data.unique_tokens", f"{source}: must be a whole number of tokens > "
+                 f"data.seq_len={d.seq_len} (one window), got {n!r}")
+        _require(not source.startswith("cell:"), "data.unique_tokens",
+                 f"{source}: names sources only, not cells")
+    _require(not (d.unique_tokens and d.conversations), "data.unique_tokens",
+             "limits the corpus's train tokens, which a run on data.conversations does not read")
     _require(0 <= d.short_rows <= d.batch_size, "data.short_rows",
              f"must be in 0..data.batch_size={d.batch_size}, got {d.short_rows}")
     _require(not d.short_rows or (0 < d.short_len < d.seq_len and d.seq_len % d.short_len == 0),

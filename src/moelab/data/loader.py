@@ -49,6 +49,26 @@ def read_meta(data_dir: str | Path) -> dict:
     return meta
 
 
+def restrict(meta: dict, unique_tokens: dict[str, int] | None) -> dict:
+    """meta with each named source's train tokens cut to its first `unique_tokens[source]`
+    (data.unique_tokens): what a run may read, so passes and data.max_epochs count against
+    it. The full counts stay in "train_tokens_full", which a mixture of {} weighs by."""
+    if not unique_tokens:
+        return meta
+    unknown = sorted(set(unique_tokens) - set(meta["sources"]))
+    if unknown:
+        raise UserError(f"data.unique_tokens names source(s) {unknown} that the dataset does "
+                        f"not have; available sources: {meta['sources']}")
+    full = meta["train_tokens"]
+    over = {s: (n, full[s]) for s, n in unique_tokens.items() if n > full[s]}
+    if over:
+        s, (n, have) = next(iter(over.items()))
+        raise UserError(f"data.unique_tokens: {s} asks for {n} train tokens but the dataset "
+                        f"holds {have}; lower it or leave the source out")
+    return {**meta, "train_tokens_full": dict(full),
+            "train_tokens": {s: min(t, unique_tokens.get(s, t)) for s, t in full.items()}}
+
+
 @dataclass(frozen=True)
 class Mixture:
     """A resolved mixture: its components (source names, or "cell:<domain>/<bucket>"),
@@ -117,7 +137,8 @@ def resolve_mixture(meta: dict, split: str, mixture: dict[str, float],
             )
         tokens = [meta[f"{split}_tokens"][s] for s in names]
         train = [meta["train_tokens"][s] for s in names]
-    by_size = meta[f"{split}_tokens"]
+    by_size = meta.get("train_tokens_full", meta["train_tokens"]) if split == "train" \
+        else meta[f"{split}_tokens"]
     weights = np.array([mixture.get(n, 0.0) if mixture else by_size[n] for n in names], float)
     if (weights < 0).any() or weights.sum() <= 0:
         raise UserError(f"data.mixture weights must be >= 0 and not all 0, got {mixture}")
@@ -226,16 +247,22 @@ class Loader(Batches):
         seed: int = 0,
         max_epochs: float | None = None,
         run_tokens: int | None = None,
+        unique_tokens: dict[str, int] | None = None,
     ) -> None:
         if split not in SPLITS:
             raise UserError(f"split must be one of {SPLITS}, got {split!r}")
         self.meta = read_meta(data_dir)
+        if split == "train":
+            self.meta = restrict(self.meta, unique_tokens)
         self.sources: list[str] = list(self.meta["sources"])  # the dataset's, for evals
         self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch_size, seed
         self.mixture = resolve_mixture(self.meta, split, mixture or {}, max_epochs, run_tokens)
         self.components, self.weights = self.mixture.names, self.mixture.weights
         self.streams = [load_tokens(stream_path(data_dir, s, split), f"{split} stream of {s}")
                         for s in self.components]
+        if split == "train" and unique_tokens:  # the first tokens of each limited source
+            self.streams = [t[:unique_tokens.get(s, len(t))]
+                            for s, t in zip(self.components, self.streams, strict=True)]
         vocab = self.meta["vocab_size"]
         for name, stream in zip(self.components, self.streams, strict=True):
             # the extremes of a memory map are a pass over it: once per start, not per batch
@@ -300,11 +327,13 @@ class StagedLoader(Batches):
     function of (seed, plan, step), so resuming needs only the step.
     """
 
-    def __init__(self, data_dir: str | Path, stages: tuple, seed: int = 0) -> None:
-        self.meta = read_meta(data_dir)
+    def __init__(self, data_dir: str | Path, stages: tuple, seed: int = 0,
+                 unique_tokens: dict[str, int] | None = None) -> None:
+        self.meta = restrict(read_meta(data_dir), unique_tokens)
         self.sources: list[str] = list(self.meta["sources"])
         self.stages, self.seed, self.step = tuple(stages), seed, 0
-        self.streams = [np.load(shard_path(data_dir, s, "train"), mmap_mode="r")
+        limit = unique_tokens or {}
+        self.streams = [np.load(shard_path(data_dir, s, "train"), mmap_mode="r")[:limit.get(s)]
                         for s in self.sources]
         self.weights = [mixture_weights(self.meta, "train", st.mixture) for st in self.stages]
         self.counts = [apportion(w, st.rows) for w, st in zip(self.weights, self.stages,

@@ -316,10 +316,11 @@ def _epochs(spec: LadderSpec) -> dict[str, float] | None:
     Past one pass the laws count tokens at their repeated worth (fit.repetition); a target
     far past the rungs' passes still relies on the published decay, not a measured one."""
     from moelab.config import data_dir
-    from moelab.data.loader import read_meta
+    from moelab.data.loader import read_meta, restrict
 
     try:
-        meta = read_meta(data_dir(spec.target.config.data.path))
+        meta = restrict(read_meta(data_dir(spec.target.config.data.path)),
+                        spec.target.config.data.unique_tokens)
     except (OSError, UserError):
         return None
     total = sum(meta["train_tokens"].values())

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from moelab.config import data_dir
-from moelab.data.loader import read_meta
+from moelab.data.loader import read_meta, restrict
 from moelab.data.passes import max_passes, plan_passes
 from moelab.data.prepare import check_preset_prepared
 from moelab.errors import UserError
@@ -36,7 +36,7 @@ def run_passes(rung: Rung) -> list[dict[str, Any]]:
     """Per stage of the run's plan: its passes over each source (moelab.data.passes)."""
     cfg = rung.config
     check_preset_prepared(cfg.data.path)
-    meta = read_meta(data_dir(cfg.data.path))
+    meta = restrict(read_meta(data_dir(cfg.data.path)), cfg.data.unique_tokens)
     return plan_passes(meta, cfg.plan, cfg.data.max_epochs or None)
 
 
