@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import cpu_model, load_per_core  # noqa: E402
 
 from moelab.config import config_from_dict, config_to_dict, load_config  # noqa: E402
+from moelab.lab.store import Store, default_lab_path  # noqa: E402
 from moelab.ladder.compare import (  # noqa: E402
     Recipe,
     _data_identity,
@@ -49,6 +50,7 @@ from moelab.ladder.compare import (  # noqa: E402
     markdown,
     plot,
     recipe_from_spec,
+    record_in_lab,
     train_rungs,
 )
 from moelab.ladder.predict import pooled_sd  # noqa: E402
@@ -63,6 +65,11 @@ SCRATCH = "configs/ladder/dev/upcycle_scratch.yaml"
 DENSE = "configs/ladder/dev/dense.yaml"
 EXPERTS, TOP_K = 8, 1
 DATA_SEED_SHIFT = 1000
+QUESTION = "Upcycled vs from scratch at equal total compute"
+HYPOTHESIS = ("At equal total compute (the dense steps counted) the upcycled MoE reaches a "
+              "lower loss than the one trained from scratch, worth about 1.1x its compute at "
+              "the 800-step trunk (configs/ladder/dev/upcycle_scratch.yaml, written before "
+              "any run)")
 
 
 def with_fields(config, fields: dict) -> object:
@@ -138,9 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-steps", type=int, default=400)
     parser.add_argument("--out", default="runs/ladder/upcycle",
                         help="where the dense trunks and upcycled runs live")
+    parser.add_argument("--no-lab", action="store_true",
+                        help="do not record the comparison in the lab ($MOELAB_LAB, else "
+                             "runs/lab.sqlite)")
     args = parser.parse_args(argv)
     scratch, dense = load_spec(SCRATCH), load_spec(DENSE)
     spec = dataclasses.replace(dense, name="upcycle", out=Path(args.out))
+    experiment = None
+    if not args.no_lab:  # the question and hypothesis as committed in the scratch spec
+        with Store(default_lab_path()) as store:
+            experiment = store.new_experiment(QUESTION, HYPOTHESIS,
+                                              {"compare": [SCRATCH, DENSE]}, None)
     load_before, started = load_per_core(), time.time()
     train_rungs([scratch])
     pairs = []
@@ -156,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     f = scratch.fit
     result = compare_recipes([base, variant], None, None, f.bootstrap, f.confidence, f.seed)
     wall = time.time() - started
+    if experiment:
+        record_in_lab(result, spec.out, experiment)
+        with Store(default_lab_path()) as store:
+            t, r = result["theoretical"], result["realized"]
+            store.finish_experiment(experiment, "succeeded", (
+                f"upcycled vs scratch: theoretical {t['value']:.3f}x [{t['interval'][0]:.3f}, "
+                f"{t['interval'][1]:.3f}], realized {r['value']:.3f}x [{r['interval'][0]:.3f}, "
+                f"{r['interval'][1]:.3f}]"))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     spent = {s.name: timings(s.out) for s in (scratch, spec)}
