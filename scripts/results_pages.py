@@ -365,6 +365,19 @@ def nav(pages_: list[Page]) -> list[Any]:
 # ---------------------------------------------------------------------------- README
 
 
+# The recipe options priced by `ladder compare` (issue 44): result folder, what is compared,
+# the figure published for it at scale (the README says why they differ at this size).
+RECIPE_OPTIONS = (
+    ("compare_muon", "Muon vs AdamW", "~2x (Moonlight, 2025)"),
+    ("compare_routing_v3", "DeepSeek-V3 routing vs softmax + aux",
+     "no multiplier published; V3 reports better balance and quality"),
+    ("compare_mtp", "MTP (depth 1) vs none", "no multiplier published; V3 reports gains on "
+     "most benchmarks"),
+    ("compare_upcycle", "upcycled vs from scratch, equal total compute",
+     "ahead up to ~the dense run's own cost (Komatsuzaki et al., 2023)"),
+)
+
+
 def headline(results: Path = RESULTS) -> str:
     """The README's small headline table, every number read from bench/results."""
     def load(rel: str) -> Any:
@@ -391,6 +404,16 @@ def headline(results: Path = RESULTS) -> str:
         rows.append([f"MoE vs dense, compute multiplier ({kind}), "
                      "[compare_moe_dense](bench/results/compare_moe_dense/)", "",
                      f"{moe[kind]['value']:.2f}x [{lo:.2f}, {hi:.2f}]", ""])
+    for name, label, published in RECIPE_OPTIONS:
+        if not (results / name / f"{name}.json").exists():
+            continue
+        r = load(f"{name}/{name}.json")
+        cells = []
+        for kind in ("theoretical", "realized"):
+            lo, hi = r[kind]["interval"]
+            cells.append(f"{kind} {r[kind]['value']:.2f}x [{lo:.2f}, {hi:.2f}]")
+        rows.append([f"{label}, compute multiplier, [{name}](bench/results/{name}/)",
+                     f"published: {published}", "; ".join(cells), ""])
     ev = load("eval_tiny/eval_tiny.json")
     rows.append(["`moelab train` (tiny preset): held-out bits per byte, macro over domains, "
                  "[eval_tiny](bench/results/eval_tiny/)", "", f"{ev['bpb']['val_bpb_macro']}",
