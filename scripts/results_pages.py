@@ -369,7 +369,7 @@ def nav(pages_: list[Page]) -> list[Any]:
 # the figure published for it at scale (the README says why they differ at this size).
 RECIPE_OPTIONS = (
     ("compare_muon", "Muon vs AdamW", "~2x (Moonlight, 2025)"),
-    ("compare_routing_v3", "DeepSeek-V3 routing vs softmax + aux",
+    ("compare_routing_dsv3", "DeepSeek-V3 routing vs softmax + aux",
      "no multiplier published; V3 reports better balance and quality"),
     ("compare_mtp", "MTP (depth 1) vs none", "no multiplier published; V3 reports gains on "
      "most benchmarks"),
