@@ -378,10 +378,69 @@ RECIPE_OPTIONS = (
 )
 
 
+def heldout_rows(results: Path) -> list[list[str]]:
+    """Each held-out spec's final (and its stage ends), and the intervals' coverage."""
+    path = results / "ladder_heldout" / "ladder_heldout.json"
+    if not path.exists():
+        return []
+    table_ = json.loads(path.read_text())
+    rows = []
+    for spec in table_["specs"]:
+        for i, s in enumerate(spec["stages"]):
+            final = i == len(spec["stages"]) - 1
+            rows.append([f"held-out `{spec['name']}`, "
+                         f"{'final' if final else 'end of stage `' + s['name'] + '`'}, "
+                         "[ladder_heldout](bench/results/ladder_heldout/)",
+                         f"{s['predicted']:.4f} {interval(s['interval'])}",
+                         f"{s['actual']:.4f}",
+                         f"{s['relative_error']:+.2%}"
+                         + (f"; curve median {spec['curve_median_abs_rel_error']:.2%}; "
+                            f"{spec['target_over_largest_rung']:.1f}x compute" if final else ""),
+                         f"fresh tokens: target at most {spec['passes_max']:.2f} passes"
+                         if spec.get("passes_max") is not None else ""])
+    cov = table_["coverage"]
+    if cov["measured"] is not None:
+        rows.append(["held-out ladders: coverage of the 90% intervals (rungs' extrapolating "
+                     "backtests and targets' stage ends), "
+                     "[ladder_heldout](bench/results/ladder_heldout/)", "",
+                     f"{cov['measured']:.0%} of {cov['n']}", "", ""])
+    return rows
+
+
+def repetition_rows(results: Path) -> list[list[str]]:
+    """The ladders past one pass: the measured-repetition target, refusals."""
+    path = results / "ladder_repetition" / "ladder_repetition.json"
+    if not path.exists():
+        return []
+    table_ = json.loads(path.read_text())
+    rows = []
+    for r in table_["runs"]:
+        if r["refused"] or r["actual"] is None or (r["passes_max"] or 0) <= 1:
+            continue
+        rows.append([f"`{r['spec']}` target, "
+                     "[ladder_repetition](bench/results/ladder_repetition/)",
+                     f"{r['predicted']:.4f} {interval(r['interval'])}", f"{r['actual']:.4f}",
+                     f"{r['relative_error']:+.2%}",
+                     f"repeated data: {r['passes_max']:.1f} passes"])
+    refused = [r for r in table_["runs"] if r["refused"]]
+    if refused:
+        rows.append([f"held-out specs moved to the 1.8M-token default corpus, "
+                     "[ladder_repetition](bench/results/ladder_repetition/)", "",
+                     f"{len(refused)} refused before any rung trained", "",
+                     "repeated data: targets at "
+                     + ", ".join(f"{r['passes_max']:.1f}" for r in refused) + " passes"])
+    return rows
+
+
 def headline(results: Path = RESULTS) -> str:
     """The README's small headline table, every number read from bench/results."""
     def load(rel: str) -> Any:
         return json.loads((results / rel).read_text())
+
+    def regime(rel: str) -> str:
+        """What data the ladder's target saw (study.yaml's `regime` for that version)."""
+        study, version = rel.split("/")
+        return meta(results / study / "study.yaml").get("regime", {}).get(version, "")
 
     rows: list[list[str]] = []
     for label, rel in (("default ladder: final loss of an 8x target", "ladder_default/v5"),
@@ -391,19 +450,22 @@ def headline(results: Path = RESULTS) -> str:
         rows.append([f"{label}, [{rel}](bench/results/{rel}/)",
                      f"{r['predicted']:.4f} {interval(r['interval'])}", f"{r['actual']:.4f}",
                      f"{r['relative_error']:+.2%}; curve median "
-                     f"{r['curve_median_abs_rel_error']:.2%}; {r['compute_ratio']:.1f}x compute"])
+                     f"{r['curve_median_abs_rel_error']:.2%}; {r['compute_ratio']:.1f}x compute",
+                     regime(rel)])
     staged = load("ladder_staged/v3/stages.json")
     for s in staged["stages"]:
         rows.append([f"staged ladder, end of stage `{s['name']}`, "
                      "[ladder_staged/v3](bench/results/ladder_staged/v3/)",
                      f"{s['predicted']:.4f} {interval(s['interval'])}", f"{s['actual']:.4f}",
-                     f"{s['relative_error']:+.2%}"])
+                     f"{s['relative_error']:+.2%}", regime("ladder_staged/v3")])
+    rows += heldout_rows(results)
+    rows += repetition_rows(results)
     moe = load("compare_moe_dense/compare_moe_dense.json")
     for kind in ("theoretical", "realized"):
         lo, hi = moe[kind]["interval"]
         rows.append([f"MoE vs dense, compute multiplier ({kind}), "
                      "[compare_moe_dense](bench/results/compare_moe_dense/)", "",
-                     f"{moe[kind]['value']:.2f}x [{lo:.2f}, {hi:.2f}]", ""])
+                     f"{moe[kind]['value']:.2f}x [{lo:.2f}, {hi:.2f}]", "", ""])
     for name, label, published in RECIPE_OPTIONS:
         if not (results / name / f"{name}.json").exists():
             continue
@@ -413,24 +475,25 @@ def headline(results: Path = RESULTS) -> str:
             lo, hi = r[kind]["interval"]
             cells.append(f"{kind} {r[kind]['value']:.2f}x [{lo:.2f}, {hi:.2f}]")
         rows.append([f"{label}, compute multiplier, [{name}](bench/results/{name}/)",
-                     f"published: {published}", "; ".join(cells), ""])
+                     f"published: {published}", "; ".join(cells), "", ""])
     ev = load("eval_tiny/eval_tiny.json")
     rows.append(["`moelab train` (tiny preset): held-out bits per byte, macro over domains, "
                  "[eval_tiny](bench/results/eval_tiny/)", "", f"{ev['bpb']['val_bpb_macro']}",
-                 ""])
+                 "", ""])
     sft = load("sft/sft.json")
     rows.append([f"SFT on the QA set: held-out assistant-token loss, base -> SFT "
                  f"({len(sft['base']['loss']['values'])} seeds), [sft](bench/results/sft/)", "",
                  f"{sft['base']['loss']['mean']:.3f} ± {sft['base']['loss']['sd']:.3f} -> "
                  f"{sft['sft']['loss']['mean']:.3f} ± {sft['sft']['loss']['sd']:.3f}",
                  f"exact match {sft['base']['exact_match']['mean']:.0%} -> "
-                 f"{sft['sft']['exact_match']['mean']:.0%}"])
+                 f"{sft['sft']['exact_match']['mean']:.0%}", ""])
     mem = load("benchmarks/attention_memory.json")["summary"]
     rows.append(["train step's peak memory per doubling of the sequence, 2K-16K (dense / "
                  "chunked attention), [attention_memory](bench/results/benchmarks/)", "",
                  f"{mem['dense']['max_peak_ratio_2k_16k']:.2f}x / "
-                 f"{mem['chunked']['max_peak_ratio_2k_16k']:.2f}x", ""])
-    lines = [BEGIN, "", "| result | predicted [90%] | measured | error |", "|---|---|---|---|"]
+                 f"{mem['chunked']['max_peak_ratio_2k_16k']:.2f}x", "", ""])
+    lines = [BEGIN, "", "| result | predicted [90%] | measured | error | data |",
+             "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines + ["", END])
 
