@@ -5,20 +5,24 @@
 
 Each spec runs with `moelab ladder run`'s code (runs already finished in its out directory
 are only read; its pre-registration is written before its target trains and never again),
-one after another: on 2 idle cores a 16x spec takes ~30 min and the 30x one ~60 min. With
---ray each spec's runs are Ray tasks (a branch after its parent, the target after the
-pre-registration). Writes bench/results/ladder_heldout/ladder_heldout.json
+one after another. On 2 idle cores (2026-12-06) h2 took ~38 min: every run evaluates the
+whole held-out split (1.1M tokens) at each of its 10 evaluations, which costs short rungs
+more than their training; specs with cooldown branches (three runs per rung) take about
+twice as long. With --ray each spec's runs are Ray tasks (a branch after its parent, the
+target after the pre-registration). Writes bench/results/ladder_heldout/ladder_heldout.json
 (moelab.ladder.heldout): per spec its stage ends predicted vs actual with their 90%
 intervals and the curve's median error; the coverage of the intervals over the rungs'
 extrapolating backtests and the targets' stage ends. Entries of specs not run this time
-stay in the table. Timings in the reports are claims about the machine, so a busy machine
-is refused as by the other benchmarks.
+stay in the table. Each spec's pre-registration, report and plots are copied beside it
+(ladder_heldout/<spec>/). Timings in the reports are claims about the machine, so a busy
+machine is refused as by the other benchmarks.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from machine import add_output_args, describe, load_per_core, refuse_if_busy  # bench/machine.py
@@ -30,6 +34,15 @@ from moelab.ladder.spec import LADDER_PRESETS, load_spec
 
 RESULTS = Path(__file__).parent / "results" / "ladder_heldout" / "ladder_heldout.json"
 SPECS = LADDER_PRESETS / "heldout"
+KEPT = ("preregistration.json", "report.json", "report.md", "fit.png", "curves.png")
+
+
+def keep(spec, folder: Path) -> None:
+    """The ladder's pre-registration, report and plots, into its results folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in KEPT:
+        if (spec.out / name).is_file():
+            shutil.copyfile(spec.out / name, folder / name)
 
 
 def main() -> None:
@@ -47,6 +60,7 @@ def main() -> None:
     for spec in specs:
         report = run_ladder(spec, ray=args.ray, cpus=args.cpus_per_run, **ray_options(args))
         entries.append(heldout.entry(spec.name, report))
+        keep(spec, args.out.parent / spec.name)
         for s in entries[-1]["stages"]:
             print(f"{spec.name} {s['name']}: predicted {s['predicted']:.4f} "
                   f"[{s['interval']['low']:.4f}, {s['interval']['high']:.4f}], actual "

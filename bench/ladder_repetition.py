@@ -22,8 +22,9 @@ over any source (`passes_max`), predicted, actual, relative error and `refused`:
 `decay` is the law fitted on the repetition ladder's rungs (moelab.ladder.overfit: the
 fitted parameters, the interval of P, the penalty's scale) beside Muennighoff et al.'s
 decay fitted to the same rungs and its published R*. Writes
-bench/results/ladder_repetition/ladder_repetition.json. It trains nothing and times
-nothing, so it does not wait for a quiet machine.
+bench/results/ladder_repetition/ladder_repetition.json, with the repetition ladder's
+pre-registration, report and plots beside it (ladder_repetition/repetition/). It trains
+nothing and times nothing, so it does not wait for a quiet machine.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ REPETITION_SPEC = LADDER_PRESETS / "dev" / "repetition.yaml"
 HELDOUT = LADDER_PRESETS / "heldout"
 DEFAULT_CORPUS = "runs/data/default"
 KIND = "moelab.ladder.repetition_table/1"
+KEPT = ("preregistration.json", "report.json", "report.md", "fit.png", "curves.png")
 
 
 def finished_report(spec) -> dict[str, Any] | None:
@@ -111,6 +114,11 @@ def main() -> None:
     else:
         runs.append(row(spec.name, spec.target.config.data.path, report))
         measured = decay(report)
+        folder = args.out.parent / spec.name
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in KEPT:
+            if (spec.out / name).is_file():
+                shutil.copyfile(spec.out / name, folder / name)
     for path in sorted(HELDOUT.glob("*.yaml")):
         spec = load_spec(path)
         report = finished_report(spec)

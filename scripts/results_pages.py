@@ -215,7 +215,57 @@ def token_drops(r: dict) -> list[str]:
         ["router", "context", "seqs/device", *modes, "max/mean load seq / dev / global"], rows)
 
 
+def passes(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def heldout_table(r: dict) -> list[str]:
+    """bench/ladder_heldout.py: every held-out spec's stage ends, and the coverage."""
+    rows = [[f"`{spec['name']}`", s["name"], f"{s['predicted']:.4f}", interval(s["interval"]),
+             f"{s['actual']:.4f}", fmt(s["relative_error"], "relative_error"),
+             fmt(s["within_interval"]),
+             fmt(spec["target_over_largest_rung"]) if i == 0 else "",
+             fmt(spec["curve_median_abs_rel_error"], "abs_rel_error") if i == 0 else "",
+             passes(spec.get("passes_max")) if i == 0 else ""]
+            for spec in r["specs"] for i, s in enumerate(spec["stages"])]
+    out = table(["spec", "stage end", "predicted", "90% interval", "actual", "error", "inside",
+                 "target / largest rung", "curve median error", "target's passes (max)"], rows)
+    cov = r["coverage"]
+    if cov["measured"] is not None:
+        out += [f"Coverage of the {cov['nominal']:.0%} intervals: {cov['measured']:.0%} of "
+                f"{cov['n']} ({cov['n_backtests']} extrapolating backtests of the rungs, "
+                f"{cov['n_targets']} stage ends of the targets).", ""]
+    return out
+
+
+def repetition_table(r: dict) -> list[str]:
+    """bench/ladder_repetition.py: every target past one pass, or its refusal."""
+    rows = [[f"`{x['spec']}`", f"`{(x['corpus'] or '')[:12]}`", passes(x["passes_max"]),
+             "refused" if x["refused"] else
+             (f"{x['predicted']:.4f} {interval(x['interval'])}" if x["actual"] is not None
+              else "not run"),
+             "" if x["actual"] is None else f"{x['actual']:.4f}",
+             "" if x["actual"] is None else fmt(x["relative_error"], "relative_error"),
+             fmt(x["reason"]) if x["refused"] else ""]
+            for x in r["runs"]]
+    out = table(["spec", "corpus (sha256)", "target's passes (max)", "predicted [90%]",
+                 "actual", "error", "refusal (one line, before any rung trains)"], rows)
+    d = r.get("decay")
+    if d:
+        iv, pub = d["interval"], d["published"]
+        out += [f"Measured repetition cost (`{d['law']}`): P {d['params']['P']:.4g} "
+                f"[{iv['low']:.4g}, {iv['high']:.4g}] ({iv['confidence']:.0%}), r "
+                f"{d['params']['r']:.3g}, s {d['params']['s']:.3g}; Muennighoff's decay "
+                f"fitted to the same rungs: R* {fmt(pub['r_star_fitted_here'])} "
+                f"(published {pub['r_star']}; it cannot rise with passes).", ""]
+    return out
+
+
 def special(name: str, data: Any) -> list[str]:
+    if isinstance(data, dict) and data.get("kind") == "moelab.ladder.heldout/1":
+        return heldout_table(data)
+    if isinstance(data, dict) and data.get("kind") == "moelab.ladder.repetition_table/1":
+        return repetition_table(data)
     if isinstance(data, dict) and {"predicted", "actual", "relative_error"} <= data.keys():
         return ladder_report(data)
     if isinstance(data, dict) and "stages" in data and "curve_median_abs_rel_error" in data:
@@ -424,7 +474,7 @@ def repetition_rows(results: Path) -> list[list[str]]:
                      f"repeated data: {r['passes_max']:.1f} passes"])
     refused = [r for r in table_["runs"] if r["refused"]]
     if refused:
-        rows.append([f"held-out specs moved to the 1.8M-token default corpus, "
+        rows.append(["held-out specs moved to the 1.8M-token default corpus, "
                      "[ladder_repetition](bench/results/ladder_repetition/)", "",
                      f"{len(refused)} refused before any rung trained", "",
                      "repeated data: targets at "
