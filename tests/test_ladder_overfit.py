@@ -58,7 +58,7 @@ def test_refuses_points_without_repetition():
         fit_overfit(n[once], d[once], r[once], loss[once])
 
 
-def _measuring_spec(tmp_path, **fit):
+def _measuring_spec(tmp_path, target_d=64, **fit):
     """Two widths, each on a small unique subset U1 (100 steps' tokens) for 1..16 passes
     and on U2 (400 steps') for 1..4: Muennighoff's design, 16 points; the target 16x the
     largest rung's compute."""
@@ -73,7 +73,7 @@ def _measuring_spec(tmp_path, **fit):
                               "train": {"steps": first * k}})
                 passes[name] = float(k)
     raw = {"base": base, "evals": 2, "rungs": rungs,
-           "target": {"name": "big", "model": {"d_model": 64, "d_ff": 64},
+           "target": {"name": "big", "model": {"d_model": target_d, "d_ff": target_d},
                       "train": {"steps": 6400}},
            "fit": {"bootstrap": 20, "noise_sd": NOISE, "repetition": "measured", **fit}}
     passes["big"] = 6.0
@@ -135,3 +135,26 @@ def test_measured_repetition_needs_enough_rungs_and_repeating_rungs(tmp_path):
     once = {"beyond_rungs": [], "accepted": False, "measured": True, "rung_passes": [4.0]}
     assert "at 1 pass count(s) above 1" in repetition.refusal(once)
     assert repetition.refusal({**once, "rung_passes": [2.0, 4.0]}) is None
+
+
+def test_measured_repetition_refuses_a_target_past_the_rungs_params_per_unique(
+        tmp_path, monkeypatch):
+    """N/U (active parameters per unique token, U = D / R) is what the penalty grows with:
+    a target much wider than the repeating rungs at the same passes sits past their N/U,
+    where the law would extrapolate its exponent; one inside their N/U is not refused."""
+    for target_d, refused in ((64, False), (256, True)):
+        spec, passes = _measuring_spec(tmp_path / str(target_d), target_d=target_d)
+        monkeypatch.setattr(repetition, "run_passes",
+                            lambda rung, p=passes: [{"cumulative": {"prose": p[rung.name]}}])
+        rep = repetition.repetition(spec)
+        # by hand: the largest N/U among rungs past one pass is d_model 32's at 16 passes
+        w32 = next(r for r in spec.rungs if r.name == "w32-a16")
+        ratio = rep["params_per_unique"]
+        assert ratio["rungs_max"] == pytest.approx(w32.active_params * 16 / w32.tokens)
+        target = spec.target.active_params * 6.0 / spec.target.tokens
+        assert ratio["target"] == pytest.approx(target)
+        reason = repetition.refusal(rep)
+        assert (reason is not None) == refused, (target_d, ratio)
+        if refused:
+            assert "N/U" in reason and f"{target:.3g}" in reason and "\n" not in reason
+            assert repetition.refusal({**rep, "accepted": True}) is None

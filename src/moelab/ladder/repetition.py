@@ -9,7 +9,11 @@ tokens overfits and its validation loss rises. So pre-registration refuses such 
 unless the spec accepts it explicitly (`fit.accept_repetition: true`, recorded). Rungs
 that repeat the corpus raise what the rungs measured, and
 `fit.repetition: measured` predicts from the law fitted on them (moelab.ladder.overfit);
-it is refused before any rung trains when fewer than two pass counts above 1 are measured.
+it is refused before any rung trains when fewer than two pass counts above 1 are measured,
+or when the target's parameters per unique token (N/U, the ratio the law's penalty grows
+with) lie past the repeating rungs' largest: the penalty's exponent in N/U is then
+extrapolated, and the repetition ladder (configs/ladder/dev/repetition.yaml), pre-registered
+before this check, missed by -14% with its target at N/U 22 against rungs at most 3.4.
 
 Passes up to one are not repetition: a target under one pass over every source is never
 refused, however few passes its rungs made.
@@ -40,6 +44,12 @@ def run_passes(rung: Rung) -> list[dict[str, Any]]:
     return plan_passes(meta, cfg.plan, cfg.data.max_epochs or None)
 
 
+def params_per_unique(rung: Rung, passes: float) -> float:
+    """N/U: active parameters per unique token, U = D / R with R the run's largest passes
+    over any source (as moelab.ladder.overfit places a run)."""
+    return rung.active_params * passes / rung.tokens
+
+
 def corpus(spec: LadderSpec) -> dict[str, Any]:
     """The target's corpus: where, its content sha256, its train tokens per source."""
     path = spec.target.config.data.path
@@ -60,9 +70,13 @@ def repetition(spec: LadderSpec) -> dict[str, Any]:
     target = max_passes(runs[spec.target.name])
     beyond = sorted(s for s, p in target.items()
                     if p > max(1.0, rungs_max.get(s, 0.0) * (1 + MARGIN)))
-    repeated = sorted({round(max(max_passes(runs[r.name]).values(), default=0.0), 2)
-                       for r in spec.rungs} - {0.0})
+    most = {r.name: max(max_passes(runs[r.name]).values(), default=0.0) for r in spec.runs()}
+    repeated = sorted({round(most[r.name], 2) for r in spec.rungs} - {0.0})
+    ratio = [params_per_unique(r, most[r.name]) for r in spec.rungs if most[r.name] > 1.0]
     return {"runs": runs, "rungs_max": rungs_max, "target": target,
+            "params_per_unique": {
+                "rungs_max": max(ratio, default=None),
+                "target": params_per_unique(spec.target, max(most[spec.target.name], 1.0))},
             "target_max": max(target.values(), default=0.0), "margin": MARGIN,
             "beyond_rungs": beyond, "accepted": spec.fit.accept_repetition,
             "measured": spec.fit.repetition == "measured",
@@ -77,6 +91,14 @@ def refusal(rep: dict[str, Any]) -> str | None:
                 f"count(s) above 1 ({rep['rung_passes']}); add rungs trained for 2 to 16 "
                 "passes over the corpus, or set fit.repetition: "
                 "muennighoff")
+    ratio = rep.get("params_per_unique") or {}
+    if (rep.get("measured") and not rep["accepted"] and ratio.get("rungs_max")
+            and ratio["target"] > ratio["rungs_max"] * (1 + MARGIN)):
+        return (f"fit.repetition: measured extrapolates the penalty in parameters per unique "
+                f"token: the target's N/U is {ratio['target']:.3g}, the repeating rungs' at "
+                f"most {ratio['rungs_max']:.3g}; add repeating rungs at the target's N/U "
+                "(wider, or on a smaller unique subset), or set fit.accept_repetition: true "
+                "to pre-register anyway")
     if not rep["beyond_rungs"] or rep["accepted"]:
         return None
     cells = ", ".join(f"{s} {rep['target'][s]:.2f} (rungs at most "
