@@ -96,17 +96,21 @@ def recompute(record: dict[str, Any], out: Path, monkeypatch, bootstrap: int | N
     if bootstrap is not None:
         options["bootstrap"] = bootstrap
     target = rung(record["target"])
-    # The corpus the laws counted passes over: its size is in the record (the curve law's
-    # epochs) where the code of its time read it; none prepared otherwise, as then.
+    # The corpus the laws counted passes over: its train tokens per source are in the record
+    # (`corpus`, bookkeeping) where it was read, else its total (the curve law's epochs);
+    # none prepared otherwise, as then. Per source, the passes each rung's plan draws
+    # (fit.repetition: measured; data.unique_tokens cuts named sources) come back too.
     home = out / "home"
     monkeypatch.setenv(HOME_ENV, str(home))
     epochs = record["laws"].get("curve", {}).get("extrapolation", {}).get("epochs")
-    if epochs:
+    tokens = (record.get("corpus") or {}).get("train_tokens") or (
+        {"train": epochs["train_tokens"]} if epochs else None)
+    if tokens:
         data = home / target.config.data.path
         data.mkdir(parents=True)
         (data / META_FILE).write_text(json.dumps({
-            "vocab_size": 1, "eos_id": 0, "sources": ["train"],
-            "train_tokens": {"train": epochs["train_tokens"]}, "val_tokens": {"train": 0}}))
+            "vocab_size": 1, "eos_id": 0, "sources": sorted(tokens), "train_tokens": tokens,
+            "val_tokens": dict.fromkeys(tokens, 0)}))
     spec = LadderSpec(record["ladder"], out / "ladder", tuple(rungs), target,
                       FitOptions(**options), tuple(lr_runs))
     content = forecast(spec, [results[r.name] for r in rungs], [results[r.name] for r in lr_runs])
