@@ -346,10 +346,15 @@ def study_page(folder: Path) -> Page:
     rows = [[k, f"`{info[k]}`"] for k in ("command", "report") if info.get(k)]
     lines += table(["", ""], rows)
     found: dict[str, Path] = {}
+    # the study's own files, then its versions (v<N>, newest first) and its other parts
+    # (one folder per held-out spec, say), each under its heading
     versions = version_dirs(folder)
-    groups = [(v, f"## {v.name}" + (f": {info['versions'][v.name]}"
-                                    if v.name in info.get("versions", {}) else ""))
-              for v in versions] or [(folder, "")]
+    parts = sorted(p for p in folder.iterdir() if p.is_dir() and p not in versions)
+    described = {**info.get("versions", {}), **info.get("parts", {})}
+    own = any(folder.glob("*.json")) or any(folder.glob("*.png")) or not (versions or parts)
+    groups = [(folder, "")] * own + [
+        (v, f"## {v.name}" + (f": {described[v.name]}" if v.name in described else ""))
+        for v in [*versions, *parts]]
     for sub, heading in groups:
         if heading:
             lines += [heading, ""]

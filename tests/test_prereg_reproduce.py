@@ -60,7 +60,10 @@ ADDED = {
     "laws.curve.extrapolation.rungs_s1_max": "8253251 fit.stage_law",
 }
 # What the bootstrap's refits decide (the quick check draws 10 of them, not 1,000)
-BOOTSTRAP_FIELDS = {"bootstrap", "interval", "low", "high", "method"}
+# (fit.misspecification keeps the bootstrap's own interval as interval_seed, and the width
+# the laws' spread is set against as laws_disagree.interval_width)
+BOOTSTRAP_FIELDS = {"bootstrap", "interval", "low", "high", "method", "interval_seed",
+                    "interval_width"}
 QUICK_BOOTSTRAP = 10
 
 
