@@ -100,9 +100,14 @@ class OverfitDetector:
     def step(self, ce: float) -> None:
         self.train.append(ce)
 
-    def evaluate(self, val: dict[str, float]) -> tuple[float | None, list[str]]:
+    def evaluate(self, val: dict[str, float], repeated: set[str] | None = None
+                 ) -> tuple[float | None, list[str]]:
         """Feed one evaluation's {source: val loss}; returns (the training loss it is
-        compared with, None if no step trained since the last; sources overfitting now)."""
+        compared with, None if no step trained since the last; sources overfitting now).
+        `repeated`: the sources the run has passed over more than once by now (None: not
+        known, every source may be flagged). Only those can overfit: before its second
+        pass a source's training tokens are all new, so a validation loss that rises then
+        (a high learning rate, a mixture moving away from it) is not memorisation."""
         if not self.train:  # evaluated twice at one step (a resume): nothing new to compare
             return None, []
         train = float(np.mean(self.train))
@@ -115,7 +120,8 @@ class OverfitDetector:
             s in a[1] and s in b[1] and b[1][s] > a[1][s]
             for a, b in zip(self.history, self.history[1:], strict=False))]
         self.flagged = [s for s in self.flagged if s in rising]  # an episode ended: re-arm
-        new = [s for s in rising if s not in self.flagged] if last_train < first_train else []
+        new = [s for s in rising if s not in self.flagged
+               and (repeated is None or s in repeated)] if last_train < first_train else []
         self.flagged += new
         return train, new
 

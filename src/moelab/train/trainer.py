@@ -155,12 +155,13 @@ class Trainer:
         if self.plan.staged:
             check_sources(self.plan, self.loader.sources)
             self.loader = StagedLoader(data_dir, self.plan.stages, d.seed, d.unique_tokens)
+        self.passes: list[dict] | None = None  # per stage, as moelab.data.passes counts
         if d.conversations:  # the plan still sets the LR and optimizer of each stage
             self.loader = ConversationLoader(data_dir, d.conversations, d.seq_len,
                                              d.batch_size, d.seed)
         else:
-            for line in passes_lines(plan_passes(self.loader.meta, self.plan,
-                                                 d.max_epochs or None)):
+            self.passes = plan_passes(self.loader.meta, self.plan, d.max_epochs or None)
+            for line in passes_lines(self.passes):
                 print(f"train tokens, {line}")
         # val keeps the run's seq_len and batch in every stage: one yardstick for the curve
         self.val = {s: Loader(data_dir, "val", d.seq_len, d.batch_size, {s: 1.0}, d.seed)
@@ -536,6 +537,22 @@ class Trainer:
                 self.log.event(step, flag, f"{name} = {record[name]:.4g} flagged as {flag}")
                 record[f"{flag}/{name}"] = 1.0
 
+    def _repeated(self, step: int) -> set[str] | None:
+        """The sources passed over more than once by `step` (the plan's passes, linear
+        within a stage); None where they are not counted (conversations) or counted per
+        cell rather than per source."""
+        if self.passes is None or not set(self.loader.sources) <= set(
+                self.passes[0]["cumulative"]):
+            return None
+        before: dict[str, float] = {}
+        for st in self.passes:
+            if step <= st["end"]:
+                frac = (step - st["start"]) / max(st["end"] - st["start"], 1)
+                now = {n: before.get(n, 0.0) + p * frac for n, p in st["passes"].items()}
+                return {n for n, p in now.items() if p > 1.0}
+            before = dict(st["cumulative"])
+        return {n for n, p in before.items() if p > 1.0}
+
     def _flag_overfit(self, step: int, record: dict, stage: Stage) -> None:
         """The train-validation gap (the validation loss weighted as the stage draws its
         sources, minus the mean training CE since the last evaluation) and an `overfit`
@@ -543,7 +560,7 @@ class Trainer:
         the training loss fell (spikes.OverfitDetector)."""
         val = {k.removeprefix(LOSS_PREFIX): v for k, v in record.items()
                if k.startswith(LOSS_PREFIX)}
-        train, sources = self.overfit.evaluate(val)
+        train, sources = self.overfit.evaluate(val, self._repeated(step))
         if train is None:
             return
         weights = source_weights(self.loader.meta, stage.mixture)
