@@ -32,9 +32,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shutil
 from pathlib import Path
 from typing import Any
+
+from ladder_heldout import keep  # bench/ladder_heldout.py: the files a study folder keeps
 
 from moelab.config import read_yaml
 from moelab.errors import UserError
@@ -46,7 +47,6 @@ REPETITION_SPEC = LADDER_PRESETS / "dev" / "repetition.yaml"
 HELDOUT = LADDER_PRESETS / "heldout"
 DEFAULT_CORPUS = "runs/data/default"
 KIND = "moelab.ladder.repetition_table/1"
-KEPT = ("preregistration.json", "report.json", "report.md", "fit.png", "curves.png")
 
 
 def finished_report(spec) -> dict[str, Any] | None:
@@ -107,25 +107,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     runs, not_run, measured = [], [], None
-    spec = load_spec(REPETITION_SPEC)
-    report = finished_report(spec)
-    if report is None:
-        not_run.append(spec.name)
-    else:
-        runs.append(row(spec.name, spec.target.config.data.path, report))
-        measured = decay(report)
-        folder = args.out.parent / spec.name
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in KEPT:
-            if (spec.out / name).is_file():
-                shutil.copyfile(spec.out / name, folder / name)
-    for path in sorted(HELDOUT.glob("*.yaml")):
+    for path in [REPETITION_SPEC, *sorted(HELDOUT.glob("*.yaml"))]:
         spec = load_spec(path)
         report = finished_report(spec)
         if report is None:
             not_run.append(spec.name)
         else:
             runs.append(row(spec.name, spec.target.config.data.path, report))
+        if path == REPETITION_SPEC:  # its files are kept here; the held-out specs' by theirs
+            if report is not None:
+                measured = decay(report)
+                keep(spec, args.out.parent / spec.name)
+            continue
         try:
             runs.append(on_default_corpus(path))
         except UserError as err:  # the default corpus not prepared, say

@@ -63,21 +63,22 @@ def repetition(spec: LadderSpec) -> dict[str, Any]:
     source, which sources the target passes over beyond the rungs, and whether the spec
     accepts that. Needs the data prepared (read_meta's UserError says how otherwise)."""
     runs = {r.name: run_passes(r) for r in spec.runs()}
+    per_rung = {r.name: max_passes(runs[r.name]) for r in spec.rungs}
     rungs_max: dict[str, float] = {}
-    for rung in spec.rungs:
-        for source, p in max_passes(runs[rung.name]).items():
+    for passes in per_rung.values():
+        for source, p in passes.items():
             rungs_max[source] = max(rungs_max.get(source, 0.0), p)
     target = max_passes(runs[spec.target.name])
+    target_max = max(target.values(), default=0.0)
     beyond = sorted(s for s, p in target.items()
                     if p > max(1.0, rungs_max.get(s, 0.0) * (1 + MARGIN)))
-    most = {r.name: max(max_passes(runs[r.name]).values(), default=0.0) for r in spec.runs()}
-    repeated = sorted({round(most[r.name], 2) for r in spec.rungs} - {0.0})
+    most = {name: max(p.values(), default=0.0) for name, p in per_rung.items()}
+    repeated = sorted({round(m, 2) for m in most.values()} - {0.0})
     ratio = [params_per_unique(r, most[r.name]) for r in spec.rungs if most[r.name] > 1.0]
     return {"runs": runs, "rungs_max": rungs_max, "target": target,
-            "params_per_unique": {
-                "rungs_max": max(ratio, default=None),
-                "target": params_per_unique(spec.target, max(most[spec.target.name], 1.0))},
-            "target_max": max(target.values(), default=0.0), "margin": MARGIN,
+            "params_per_unique": {"rungs_max": max(ratio, default=None),
+                                  "target": params_per_unique(spec.target, max(target_max, 1.0))},
+            "target_max": target_max, "margin": MARGIN,
             "beyond_rungs": beyond, "accepted": spec.fit.accept_repetition,
             "measured": spec.fit.repetition == "measured",
             "rung_passes": [p for p in repeated if p > 1.0]}
