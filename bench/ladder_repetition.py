@@ -2,16 +2,18 @@
 against actual, and the repetition decay measured on this corpus, in one table.
 
     moelab data prepare --preset ladder         # once: the fresh-token corpus
-    moelab ladder run repetition                # the measured-repetition ladder (~20 min)
+    moelab ladder run configs/ladder/dev/repetition_v2.yaml   # measured repetition
     python3 bench/ladder_heldout.py             # the held-out specs on the fresh corpus
     python3 bench/ladder_repetition.py          # reads them all (trains nothing)
 
 Rows (`runs`), each with the spec, its corpus's content sha256, the target's largest passes
 over any source (`passes_max`), predicted, actual, relative error and `refused`:
 
-- the measured-repetition ladder (configs/ladder/dev/repetition.yaml, `fit.repetition:
-  measured`): rungs on a 100K-token unique subset of the default corpus at 1-16 passes,
-  a target at 16 passes;
+- the measured-repetition ladders (configs/ladder/dev/repetition*.yaml, `fit.repetition:
+  measured`): rungs on small unique subsets of the default corpus at 1-16 passes. The
+  first (a target at 16 passes, N/U 22 against rungs at most 3.4) is now refused by the
+  pre-registration's N/U check and listed so; the second puts repeating rungs on 12.5K
+  and 25K-token subsets, up to N/U 27, around its target (8 passes, N/U 11);
 - every held-out spec (configs/ladder/heldout/) on the fresh-token ladder corpus, read from
   its finished ladder (a spec not run yet is listed under `not_run`);
 - every held-out spec again on the 1.8M-token default corpus: the same spec with only
@@ -19,7 +21,7 @@ over any source (`passes_max`), predicted, actual, relative error and `refused`:
   (moelab.ladder.repetition). Where it refuses, the row is `refused` with the one-line
   reason and nothing trains; where it would not, the row says it was not run.
 
-`decay` is the law fitted on the repetition ladder's rungs (moelab.ladder.overfit: the
+`decay` is the law fitted on the last finished repetition ladder's rungs (moelab.ladder.overfit: the
 fitted parameters, the interval of P, the penalty's scale) beside Muennighoff et al.'s
 decay fitted to the same rungs and its published R*. Writes
 bench/results/ladder_repetition/ladder_repetition.json, with the repetition ladder's
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +46,23 @@ from moelab.ladder import repetition
 from moelab.ladder.spec import LADDER_PRESETS, load_spec, spec_from_dict
 
 RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repetition.json"
-REPETITION_SPEC = LADDER_PRESETS / "dev" / "repetition.yaml"
+# the measured-repetition ladders, in the order they were written; the decay is the last
+# finished one's
+REPETITION_SPECS = [LADDER_PRESETS / "dev" / "repetition.yaml",
+                    LADDER_PRESETS / "dev" / "repetition_v2.yaml"]
 HELDOUT = LADDER_PRESETS / "heldout"
+HELDOUT_RESULTS = Path(__file__).parent / "results" / "ladder_heldout"
 DEFAULT_CORPUS = "runs/data/default"
 KIND = "moelab.ladder.repetition_table/1"
 
 
-def finished_report(spec) -> dict[str, Any] | None:
-    path = spec.out / "report.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+def finished_report(spec, kept: Path) -> dict[str, Any] | None:
+    """The finished ladder's report: from its run directory, or else the copy its study
+    folder `kept` (a fresh checkout has no runs/, and a held-out spec is hours of CPU)."""
+    for path in (spec.out / "report.json", kept / spec.name / "report.json"):
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
 
 
 def row(spec_name: str, corpus: str, report: dict[str, Any]) -> dict[str, Any]:
@@ -74,11 +85,15 @@ def on_default_corpus(path: Path) -> dict[str, Any]:
     raw = copy.deepcopy(read_yaml(path, "ladder spec"))
     raw["base"].setdefault("data", {})["path"] = DEFAULT_CORPUS
     raw["out"] = str(Path("runs/ladder/heldout_default") / path.stem)
-    spec = spec_from_dict(raw, f"{path.stem}_default_corpus")
+    return checked(spec_from_dict(raw, f"{path.stem}_default_corpus"))
+
+
+def checked(spec) -> dict[str, Any]:
+    """`spec` (not trained here) through the pre-registration's repetition check."""
     rep = repetition.repetition(spec)
     reason = repetition.refusal(rep)
     corpus = repetition.corpus(spec)
-    return {"spec": spec.name, "corpus": corpus["content_sha256"], "corpus_path": DEFAULT_CORPUS,
+    return {"spec": spec.name, "corpus": corpus["content_sha256"], "corpus_path": corpus["path"],
             "passes_max": rep["target_max"], "passes_target": rep["target"],
             "passes_rungs_max": rep["rungs_max"], "predicted": None, "actual": None,
             "interval": None, "relative_error": None, "within_interval": None,
@@ -88,18 +103,26 @@ def on_default_corpus(path: Path) -> dict[str, Any]:
             "preregistration_sha256": None}
 
 
-def decay(report: dict[str, Any]) -> dict[str, Any]:
-    """The repetition law fitted on the rungs, beside Muennighoff's decay."""
+def rung_residual(report: dict[str, Any]) -> float:
+    """The measured law's residual sd on its rungs relative to their mean loss: what
+    fit.max_rung_residual caps (a record written before the cap does not hold it)."""
+    return report["repetition_measured"]["rmse"] / statistics.fmean(
+        p["mean"] for p in report["points"])
+
+
+def decay(spec_name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """The repetition law fitted on the rungs of `spec_name`, beside Muennighoff's decay."""
     m = report["repetition_measured"]
     params = {k: m[k] for k in ("E", "A", "a", "B", "b", "P", "r", "s", "N0", "D0", "Q0")}
     return {"law": m["formula"], "params": params, "rmse": m["rmse"], "n_points": m["n"],
+            "relative_rmse": rung_residual(report),
             "parameter": "P", "interval": {**m["P_interval"], "confidence": m["confidence"]},
             "published": {"law": m["muennighoff"].get("formula"),
                           "r_star": m["muennighoff"].get("published_r_star"),
                           "r_star_fitted_here": m["muennighoff"].get("r_star"),
                           "rmse_fitted_here": m["muennighoff"].get("rmse"),
                           "can_rise": False},
-            "spec": report.get("spec") or REPETITION_SPEC.stem}
+            "spec": spec_name}
 
 
 def main() -> None:
@@ -107,22 +130,35 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     runs, not_run, measured = [], [], None
-    for path in [REPETITION_SPEC, *sorted(HELDOUT.glob("*.yaml"))]:
-        spec = load_spec(path)
-        report = finished_report(spec)
-        if report is None:
-            not_run.append(spec.name)
-        else:
-            runs.append(row(spec.name, spec.target.config.data.path, report))
-        if path == REPETITION_SPEC:  # its files are kept here; the held-out specs' by theirs
+    try:
+        for path in [*REPETITION_SPECS, *sorted(HELDOUT.glob("*.yaml"))]:
+            spec = load_spec(path)
+            repeating = path in REPETITION_SPECS
+            report = finished_report(spec, args.out.parent if repeating else HELDOUT_RESULTS)
             if report is not None:
-                measured = decay(report)
-                keep(spec, args.out.parent / spec.name)
-            continue
-        try:
-            runs.append(on_default_corpus(path))
-        except UserError as err:  # the default corpus not prepared, say
-            raise SystemExit(f"error: {err}") from None
+                runs.append(row(spec.name, spec.target.config.data.path, report))
+            if not repeating:  # the held-out specs' files are kept by bench/ladder_heldout.py
+                if report is None:
+                    not_run.append(spec.name)
+                runs.append(on_default_corpus(path))
+            elif report is not None:
+                measured = decay(spec.name, report)
+                cap = spec.fit.max_rung_residual
+                if cap is not None and measured["relative_rmse"] > cap:  # a check added later
+                    runs[-1]["refused_now"] = (
+                        f"fit.max_rung_residual: the law misses its rungs by "
+                        f"{measured['relative_rmse']:.1%} of their loss, past {cap:.0%}; "
+                        "pre-registered before this check, its result stands")
+                if spec.out.is_dir():
+                    keep(spec, args.out.parent / spec.name)
+            else:  # a measured-repetition spec not run: refused now, or not run yet
+                refused = checked(spec)
+                if refused["refused"]:
+                    runs.append(refused)
+                else:
+                    not_run.append(spec.name)
+    except UserError as err:  # a corpus not prepared, say
+        raise SystemExit(f"error: {err}") from None
     passes_over = [r for r in runs if (r["passes_max"] or 0) > 1.5]
     met = [r["refused"] or abs(r["relative_error"]) <= 0.02 for r in passes_over]
     out = {"kind": KIND, "runs": runs, "decay": measured, "not_run": not_run,
@@ -133,7 +169,8 @@ def main() -> None:
         what = (f"refused: {r['reason']}" if r["refused"] else
                 f"predicted {r['predicted']:.4f}, actual {r['actual']:.4f}, "
                 f"{r['relative_error']:+.2%}" if r["actual"] is not None else r["reason"])
-        print(f"{r['spec']}: passes_max {r['passes_max']:.2f}; {what}")
+        print(f"{r['spec']}: passes_max {r['passes_max']:.2f}; {what}"
+              + (f" (today: {r['refused_now']})" if r.get("refused_now") else ""))
     if measured:
         iv = measured["interval"]
         print(f"measured decay: P {measured['params']['P']:.4g} [{iv['low']:.4g}, "

@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_config
 
 from moelab.config import ConfigError
-from moelab.ladder import predict, repetition
+from moelab.ladder import repetition
 from moelab.ladder.fit import FitError
 from moelab.ladder.overfit import fit_overfit
 from moelab.ladder.predict import forecast
@@ -86,13 +86,10 @@ def _true_loss(n, d, r, n0, d0, q0):
             + t["P"] * max(r - 1, 0) ** t["r"] * ((n * r / d) / q0) ** t["s"])
 
 
-def test_measured_repetition_is_the_preregistered_law(tmp_path, monkeypatch):
-    """fit.repetition: measured: the pre-registration's prediction is the rising law fitted
-    on the rungs' own passes (as moelab.data.passes counts them; here given per run), at
-    the target's passes, with Muennighoff's R* fitted beside the published one."""
-    spec, passes = _measuring_spec(tmp_path)
-    monkeypatch.setattr(predict, "run_passes",
-                        lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
+def _measured_results(spec, passes, misfit: float = 0.0):
+    """Every rung's result on the true law plus its seed noise, and, with `misfit`, a
+    swing of that fraction of the loss up and down from rung to rung (no law of N, D and R
+    describes it)."""
     n = np.array([r.active_params for r in spec.rungs], float)
     d = np.array([r.tokens for r in spec.rungs], float)
     r = np.array([passes[x.name] for x in spec.rungs])
@@ -101,9 +98,21 @@ def test_measured_repetition_is_the_preregistered_law(tmp_path, monkeypatch):
     results = []
     for i, rung in enumerate(spec.rungs):
         loss = _true_loss(n[i], d[i], r[i], *scale) + NOISE * rng.standard_normal()
+        loss *= 1 + misfit * (-1) ** i
         results.append(RunResult(rung.name, rung.point, rung.seed, rung.active_params,
                                  rung.total_params, rung.tokens, rung.compute, loss, {},
                                  [{"step": rung.config.train.steps, "loss": loss}]))
+    return results, scale
+
+
+def test_measured_repetition_is_the_preregistered_law(tmp_path, monkeypatch):
+    """fit.repetition: measured: the pre-registration's prediction is the rising law fitted
+    on the rungs' own passes (as moelab.data.passes counts them; here given per run), at
+    the target's passes, with Muennighoff's R* fitted beside the published one."""
+    spec, passes = _measuring_spec(tmp_path)
+    monkeypatch.setattr(repetition, "run_passes",
+                        lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
+    results, scale = _measured_results(spec, passes)
     record = forecast(spec, results, [])
     p, t = record["prediction"], spec.target
     assert p["law"] == "repetition" and record["laws"]["repetition"]["value"] == p["value"]
@@ -113,9 +122,30 @@ def test_measured_repetition_is_the_preregistered_law(tmp_path, monkeypatch):
     assert measured["P_interval"]["low"] <= TRUE["P"] <= measured["P_interval"]["high"]
     assert measured["muennighoff"]["published_r_star"] == pytest.approx(15.39)
     assert measured["muennighoff"]["r_star"] > 0 and record["repetition"]["target_passes"] == 6
+    # seed noise of 0.004 nats on losses of ~3.5 nats: the law fits to ~0.1%, far inside
+    # the 2% cap
+    assert measured["relative_rmse"] < 0.01
     # the record is written as JSON; the report sets the measured cost beside the published
     (line,) = _repetition_lines(json.loads(json.dumps(record))["repetition"]["measured"])
     assert "published 15.39" in line and f"P {measured['P']:.4g}" in line
+
+
+def test_measured_repetition_refuses_a_law_that_misses_its_own_rungs(tmp_path, monkeypatch):
+    """Rungs swinging 5% up and down from one to the next: the law (8 parameters, smooth
+    in N, D and R) cannot follow them, its residual sd is ~5% of the loss, past the 2% cap,
+    so the pre-registration refuses in one line; with the cap raised it pre-registers."""
+    spec, passes = _measuring_spec(tmp_path)
+    monkeypatch.setattr(repetition, "run_passes",
+                        lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
+    results, _ = _measured_results(spec, passes, misfit=0.05)
+    with pytest.raises(FitError, match="fit.max_rung_residual 2.0%") as err:
+        forecast(spec, results, [])
+    assert "\n" not in str(err.value)
+    loose, _ = _measuring_spec(tmp_path / "loose", max_rung_residual=0.2)
+    record = forecast(loose, results, [])
+    assert 0.02 < record["repetition"]["measured"]["relative_rmse"] < 0.2
+    with pytest.raises(ConfigError, match="fit.max_rung_residual: must be a fraction"):
+        _measuring_spec(tmp_path / "bad", max_rung_residual=2)
 
 
 def test_measured_repetition_needs_enough_rungs_and_repeating_rungs(tmp_path):

@@ -1,12 +1,13 @@
-"""Every committed pre-registration reproduces bitwise from what it holds (issue 41).
+"""Every committed pre-registration reproduces from what it holds (issue 41): bitwise on
+the CPU that wrote it, to where its fits stop on another (same_float).
 
 A record (bench/results/<ladder>/<version>/preregistration.json) holds its inputs: every
 rung run's config, scores and whole-split curve (`rungs`), the target's config (`target`)
 and the fit options (`fit_options`). Each test rebuilds the ladder and the rungs' results
 from those alone and calls predict.forecast, the function `moelab ladder run`
 (runner.preregister) takes all of the record's content from but its bookkeeping; every
-committed value must then come back bitwise (compared as JSON text, so 3.0 != 3 and no
-tolerance), except:
+committed value must then come back (compared as JSON text, so 3.0 != 3; two floats may
+differ by where the fits stop, same_float), except:
 
 - the bookkeeping runner.preregister adds around it (BOOKKEEPING): when and by which
   commit the record was written, the inputs themselves, the corpus and its passes as read
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ import pytest
 from moelab.config import HOME_ENV, config_from_dict
 from moelab.data.loader import META_FILE
 from moelab.ladder import prereg
+from moelab.ladder.fit import FitError
 from moelab.ladder.predict import forecast
 from moelab.ladder.results import RunResult
 from moelab.ladder.spec import FitOptions, LadderSpec, Rung
@@ -47,8 +50,9 @@ RECORDS = sorted(RESULTS.glob(f"*/*/{prereg.PREREG_FILE}"))
 BOOKKEEPING = {"kind", "ladder", "created_at", "code_version", "sha256", "rungs", "target",
                "corpus", "passes"}
 # fit.repetition (2d08655) made "muennighoff" the default; the records written before it
-# counted every token the same
-LEGACY_OPTIONS = {"repetition": "none"}
+# counted every token the same. fit.max_rung_residual (the cap on the measured repetition
+# law's misfit to its rungs) refuses where the records before it pre-registered
+LEGACY_OPTIONS = {"repetition": "none", "max_rung_residual": None}
 # Fields the record gained after some committed records were written (a trailing "." for
 # every key below): the commit that added each
 ADDED = {
@@ -58,6 +62,8 @@ ADDED = {
     "laws.curve.extrapolation": "5141065 the curve law's extrapolation checks",
     "laws.curve.extrapolation.epochs": "954006a passes over the corpus",
     "laws.curve.extrapolation.rungs_s1_max": "8253251 fit.stage_law",
+    "repetition.measured.relative_rmse": "fit.max_rung_residual",
+    "laws.repetition.fit.relative_rmse": "fit.max_rung_residual",
 }
 # What the bootstrap's refits decide (the quick check draws 10 of them, not 1,000)
 # (fit.misspecification keeps the bootstrap's own interval as interval_seed, and the width
@@ -65,6 +71,7 @@ ADDED = {
 BOOTSTRAP_FIELDS = {"bootstrap", "interval", "low", "high", "method", "interval_seed",
                     "interval_width"}
 QUICK_BOOTSTRAP = 10
+REL_TOL, ABS_TOL = 1e-4, 1e-5  # same_float's: what another CPU's rounding moves
 
 
 def record_id(path: Path) -> str:
@@ -139,9 +146,24 @@ def compare(committed: Any, recomputed: Any, ignore: set[str], path: str = "") -
             len(committed) == len(recomputed)):
         return [d for i, (c, r) in enumerate(zip(committed, recomputed, strict=True))
                 for d in compare(c, r, ignore, f"{path}[{i}]")]
-    if json.dumps(committed) != json.dumps(recomputed):
+    if json.dumps(committed) != json.dumps(recomputed) and not same_float(committed, recomputed):
         return [f"{path}: committed {committed!r}, recomputed {recomputed!r}"]
     return []
+
+
+def same_float(committed: Any, recomputed: Any) -> bool:
+    """Two floats the same up to what another CPU's rounding can move. BLAS kernels of
+    another SIMD width (an AMD EPYC without AVX-512 against the Intel Xeon that wrote most
+    records) sum in another order, so each least_squares fit stops at another point inside
+    its 1e-8 relative tolerance (xtol, ftol); a fit on few points (a backtest leaving a
+    compute level out) is ill-conditioned and carries that to ~1e-5 in what it predicts
+    (seen: 3e-6 in a backtest's relative error, on h3). The records claim nothing finer
+    than 1e-4: errors are read to two decimals of a percent, and a rung's seed noise is
+    ~3e-3 of its loss. So REL_TOL 1e-4 relative, and ABS_TOL 1e-5 for values that are
+    themselves near 0 (errors of points a law passes through). Anything but two floats
+    (ints, strings, flags, which law was chosen) must match exactly."""
+    floats = all(isinstance(v, float) for v in (committed, recomputed))
+    return floats and math.isclose(committed, recomputed, rel_tol=REL_TOL, abs_tol=ABS_TOL)
 
 
 def check(path: Path, tmp_path: Path, monkeypatch, bootstrap: int | None = None) -> None:
@@ -161,7 +183,15 @@ def test_records_are_found():
 
 @pytest.mark.parametrize("path", newest_per_ladder(RECORDS), ids=record_id)
 def test_newest_preregistration_reproduces(path, tmp_path, monkeypatch):
-    check(path, tmp_path, monkeypatch, QUICK_BOOTSTRAP)
+    try:
+        check(path, tmp_path / "quick", monkeypatch, QUICK_BOOTSTRAP)
+    except FitError as err:
+        # a law whose refits converge about half the time (a measured-repetition ladder's
+        # Chinchilla fit) can fall under the half the interval needs in 10 draws: check
+        # it with the record's own refits instead
+        if "bootstrap refits converged" not in str(err):
+            raise
+        check(path, tmp_path / "full", monkeypatch)
 
 
 @pytest.mark.slow  # 10-25 s of CPU per record: 1,000 bootstrap refits of each law

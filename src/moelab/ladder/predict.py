@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from moelab.data.passes import max_passes
 from moelab.errors import UserError
 from moelab.ladder import misspec
 from moelab.ladder.curve import REPEAT_DECAY, effective_tokens, schedule_areas
@@ -44,7 +43,7 @@ from moelab.ladder.fit import (
     power_law_refit,
 )
 from moelab.ladder.overfit import fit_overfit
-from moelab.ladder.repetition import run_passes
+from moelab.ladder.repetition import most_passes
 from moelab.ladder.results import METRICS, RunResult
 from moelab.ladder.spec import LadderSpec, Rung
 from moelab.train.metrics import flops_per_token
@@ -181,7 +180,7 @@ def forecast(spec: LadderSpec, results: list[RunResult],
                                  "high": last["high"], "law": "gain", "at_bound": [],
                                  "method": laws["gain"]["interval"]["method"]}
     if options.repetition == "measured":  # the law fitted on the rungs' own repetition
-        laws["repetition"] = measured = _measured_repetition(spec, rows, options.confidence)
+        laws["repetition"] = measured = _measured_repetition(spec, rows, options)
         out["repetition"] = {**out["repetition"], "measured": measured["fit"],
                              "target_passes": measured["target_passes"]}
         iv = measured["interval"]
@@ -191,24 +190,33 @@ def forecast(spec: LadderSpec, results: list[RunResult],
     return out
 
 
-def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], confidence: float
+def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
                          ) -> dict[str, Any]:
     """fit.repetition: measured. The law that can rise with passes (moelab.ladder.overfit)
     fitted to every point's (N, D, its largest passes over any source, mean loss), as the
     rungs' plans draw their corpora; its value and interval at the target, and beside it
-    Muennighoff's decay fitted to the same points (its R* by the published 15.39)."""
+    Muennighoff's decay fitted to the same points (its R* by the published 15.39). Raises
+    FitError (the pre-registration refuses) when the law misses its own rungs by more than
+    fit.max_rung_residual of their mean loss."""
     runs = {r.name: r for r in spec.rungs}
-
-    def most(rung: Rung) -> float:
-        return max(max_passes(run_passes(rung)).values(), default=0.0)
-
-    passes = [most(runs[row["runs"][0]]) for row in rows]
+    passes = [most_passes(runs[row["runs"][0]]) for row in rows]
+    losses = [r["mean"] for r in rows]
     fit = fit_overfit([r["active_params"] for r in rows], [r["tokens"] for r in rows],
-                      passes, [r["mean"] for r in rows], confidence)
+                      passes, losses, options.confidence)
+    relative = fit.rmse / float(np.mean(losses))
+    cap = options.max_rung_residual
+    if cap is not None and relative > cap:
+        raise FitError(f"the repetition law misses its own {fit.n} rungs by a residual sd of "
+                       f"{relative:.1%} of their loss (rmse {fit.rmse:.3g} nats), more than "
+                       f"fit.max_rung_residual {cap:.1%}: it does not describe how these "
+                       "rungs overfit, so its prediction at the target would not hold to "
+                       "that; train rungs closer to the target's passes and N/U, or raise "
+                       "fit.max_rung_residual to pre-register anyway")
     target = spec.target
-    target_passes = most(target)
+    target_passes = most_passes(target)
     iv = fit.interval(target.active_params, target.tokens, max(target_passes, 1e-9))
-    return {"value": iv["value"], "interval": iv, "fit": {**fit.to_dict(), "passes": passes},
+    return {"value": iv["value"], "interval": iv,
+            "fit": {**fit.to_dict(), "passes": passes, "relative_rmse": relative},
             "target_passes": target_passes}
 
 

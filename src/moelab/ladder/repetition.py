@@ -44,6 +44,11 @@ def run_passes(rung: Rung) -> list[dict[str, Any]]:
     return plan_passes(meta, cfg.plan, cfg.data.max_epochs or None)
 
 
+def most_passes(rung: Rung) -> float:
+    """The run's largest passes over any one source (where moelab.ladder.overfit places it)."""
+    return max(max_passes(run_passes(rung)).values(), default=0.0)
+
+
 def params_per_unique(rung: Rung, passes: float) -> float:
     """N/U: active parameters per unique token, U = D / R with R the run's largest passes
     over any source (as moelab.ladder.overfit places a run)."""

@@ -93,6 +93,12 @@ class FitOptions:
     # whether the laws disagree by more than the interval; `law: backtest` then picks the
     # law with the smallest backtest error rate. false: seed noise only (specs before it)
     misspecification: bool = False
+    # fit.repetition: measured only: the largest residual sd of the repetition law on its
+    # own rungs, relative to their mean loss, at which the target is pre-registered. A law
+    # that misses the points it was fitted on by more than the 2% a ladder's prediction is
+    # held to cannot be expected to land within it at an extrapolated target, so past this
+    # the pre-registration refuses (null: no check)
+    max_rung_residual: float | None = 0.02
 
 
 @dataclass(frozen=True)
@@ -325,6 +331,11 @@ def _fit_options(raw: Any) -> FitOptions:
     if options.noise_sd is not None and not (
             isinstance(options.noise_sd, int | float) and options.noise_sd > 0):
         raise ConfigError(f"fit.noise_sd: must be a number > 0, got {options.noise_sd!r}")
+    cap = options.max_rung_residual
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float)
+                            or not 0 < cap < 1):
+        raise ConfigError(f"fit.max_rung_residual: must be a fraction in (0, 1) or null, got "
+                          f"{cap!r}")
     return options
 
 
