@@ -132,7 +132,8 @@ def compare(committed: Any, recomputed: Any, ignore: set[str], path: str = "") -
     key that is not in ADDED; keys named in `ignore` are skipped at every depth."""
     if isinstance(committed, dict) and isinstance(recomputed, dict):
         diffs = []
-        for key in sorted((committed.keys() | recomputed.keys()) - ignore):
+        bounds = percentile_bounds(committed, recomputed)
+        for key in sorted((committed.keys() | recomputed.keys()) - ignore - bounds):
             at = f"{path}.{key}" if path else key
             if key not in recomputed:
                 diffs.append(f"{at}: not in the recomputed record")
@@ -149,6 +150,23 @@ def compare(committed: Any, recomputed: Any, ignore: set[str], path: str = "") -
     if json.dumps(committed) != json.dumps(recomputed) and not same_float(committed, recomputed):
         return [f"{path}: committed {committed!r}, recomputed {recomputed!r}"]
     return []
+
+
+def percentile_bounds(committed: dict, recomputed: dict) -> set[str]:
+    """{"low", "high"} when both are a bootstrap's percentile interval that agrees to its
+    Monte Carlo error, else nothing (compared as every value is). Which of the 1,000 refits
+    converge can change with another CPU's rounding (a refit near max_nfev), and one refit
+    more or less moves each percentile by about one order statistic. The 5% percentile of
+    n draws has a Monte Carlo sd of sqrt(0.05 * 0.95 / n) / phi(1.645) = 0.067 bootstrap
+    sds at n = 1,000, and the 90% interval is 2 x 1.645 sds wide: 0.02 of its width, so
+    3 Monte Carlo sds are 0.06 of the committed width."""
+    keys = {"low", "high"}
+    if not (keys <= committed.keys() and keys <= recomputed.keys()
+            and "bootstrap" in str(committed.get("method", ""))
+            and all(isinstance(d[k], float) for d in (committed, recomputed) for k in keys)):
+        return set()
+    width = committed["high"] - committed["low"]
+    return keys if all(abs(committed[k] - recomputed[k]) <= 0.06 * width for k in keys) else set()
 
 
 def same_float(committed: Any, recomputed: Any) -> bool:
