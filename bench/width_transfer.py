@@ -13,15 +13,19 @@ Runs live in runs/width_transfer/<spec>/ and a finished one is only read. Writes
 bench/results/width_transfer/width_transfer.json: per width its d_model, the rule's LR and
 matrix LR, each LR's final loss, the optimum and its factor against the rule; and
 `optimum_factor_ratio` (target's optimum factor over the narrow rung's: 1 when the rule
-transfers). 2 widths x 5 LRs short runs: ~20-40 min on 2 idle cores at the default steps.
+transfers), on the grid and between its points (a parabola in log LR through the best
+three, `optimum_factor_ratio_interpolated`). 2 widths x 5 LRs of 600 steps took 46 min on
+2 cores (2026-12-06, AMD EPYC): the d_model-192 runs ~7 min each.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 from machine import add_output_args, describe, load_per_core, refuse_if_busy  # bench/machine.py
 
 from moelab.config import Config, config_from_dict, config_to_dict
@@ -39,6 +43,19 @@ def probe(config: Config, steps: int, lr: float) -> Config:
         "train": {"steps": steps, "eval_every": steps, "checkpoint_every": steps,
                   "keep_checkpoints": 1},
         "optim": {"lr": lr}}))
+
+
+def vertex(runs: list[dict]) -> float | None:
+    """The loss-minimising LR factor between the grid's points: the vertex of the parabola
+    in log2(factor) through the best run and its two neighbours (None at the grid's edge,
+    where the optimum may lie outside it, or when the three do not curve upward)."""
+    i = min(range(len(runs)), key=lambda k: runs[k]["final_val_loss"])
+    if i in (0, len(runs) - 1):
+        return None
+    x = [math.log2(runs[k]["factor"]) for k in (i - 1, i, i + 1)]
+    y = [runs[k]["final_val_loss"] for k in (i - 1, i, i + 1)]
+    a, b, _ = np.polyfit(x, y, 2)
+    return float(2 ** (-b / (2 * a))) if a > 0 else None
 
 
 def sweep(spec: LadderSpec, steps: int, factors: tuple[float, ...], out: Path) -> dict:
@@ -60,9 +77,13 @@ def sweep(spec: LadderSpec, steps: int, factors: tuple[float, ...], out: Path) -
         widths.append({"role": label, "d_model": d, "rule_lr": lr,
                        "rule_matrix_lr": lr * width_factor(base.config.optim, d),
                        "runs": runs, "optimum_lr": best["lr"], "optimum_factor": best["factor"],
+                       "optimum_factor_interpolated": vertex(runs),
                        "rule_is_optimum": best["factor"] == 1.0})
+    between = [w["optimum_factor_interpolated"] for w in widths]
     return {"spec": spec.name, "steps": steps, "factors": list(factors), "widths": widths,
-            "optimum_factor_ratio": widths[1]["optimum_factor"] / widths[0]["optimum_factor"]}
+            "optimum_factor_ratio": widths[1]["optimum_factor"] / widths[0]["optimum_factor"],
+            "optimum_factor_ratio_interpolated":
+                None if None in between else between[1] / between[0]}
 
 
 def main() -> None:
@@ -88,8 +109,8 @@ def main() -> None:
         losses = ", ".join(f"x{r['factor']:g} {r['final_val_loss']:.4f}" for r in w["runs"])
         print(f"{w['role']} d_model {w['d_model']}: {losses}; optimum x{w['optimum_factor']:g} "
               f"(lr {w['optimum_lr']:.3g}; the rule's {w['rule_lr']:.3g})")
-    print(f"optimum factor, target over narrowest rung: {out['optimum_factor_ratio']:g} "
-          f"-> {args.out}")
+    print(f"optimum factor, target over narrowest rung: {out['optimum_factor_ratio']:g} on the "
+          f"grid, {out['optimum_factor_ratio_interpolated']} between its points -> {args.out}")
 
 
 if __name__ == "__main__":
