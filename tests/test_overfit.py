@@ -46,8 +46,13 @@ def test_many_passes_over_a_tiny_corpus_record_overfitting_and_fresh_tokens_do_n
     memorisation, since no token had been seen twice)."""
     flagged = run(tiny_corpus, tmp_path / "repeated")
     assert "passes code 9.78" in capsys.readouterr().out
-    assert len(flagged) == 1 and "val_loss/code rose at each of the last 3 evaluations" \
-        in flagged[0]["message"]
+    # one event per episode of rises: 15 evaluations hold at most 3 (each needs a level
+    # and 3 rises after it). How often a rise pauses for one evaluation (ending an episode)
+    # is the noise of a 2-batch evaluation, which another CPU's rounding changes: an AMD
+    # EPYC without AVX-512 saw two episodes (4.50 -> 4.67, then 4.81 -> 5.11)
+    assert 1 <= len(flagged) <= 3
+    assert all("val_loss/code rose at each of the last 3 evaluations" in e["message"]
+               for e in flagged)
     assert run(small_corpus, tmp_path / "fresh") == []
     out = capsys.readouterr().out
     assert "passes code 0." in out and "prose 0." in out
