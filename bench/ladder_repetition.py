@@ -43,6 +43,7 @@ from ladder_heldout import keep  # bench/ladder_heldout.py: the files a study fo
 from moelab.config import read_yaml
 from moelab.errors import UserError
 from moelab.ladder import repetition
+from moelab.ladder.predict import rung_residual_refusal
 from moelab.ladder.spec import LADDER_PRESETS, load_spec, spec_from_dict
 
 RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repetition.json"
@@ -143,12 +144,11 @@ def main() -> None:
                 runs.append(on_default_corpus(path))
             elif report is not None:
                 measured = decay(spec.name, report)
-                cap = spec.fit.max_rung_residual
-                if cap is not None and measured["relative_rmse"] > cap:  # a check added later
-                    runs[-1]["refused_now"] = (
-                        f"fit.max_rung_residual: the law misses its rungs by "
-                        f"{measured['relative_rmse']:.1%} of their loss, past {cap:.0%}; "
-                        "pre-registered before this check, its result stands")
+                reason = rung_residual_refusal(measured["relative_rmse"], measured["rmse"],
+                                               measured["n_points"], spec.fit.max_rung_residual)
+                if reason:  # a check added after the record: it refuses today
+                    runs[-1]["refused_now"] = (f"{reason} (pre-registered before this check, "
+                                               "its result stands)")
                 if spec.out.is_dir():
                     keep(spec, args.out.parent / spec.name)
             else:  # a measured-repetition spec not run: refused now, or not run yet

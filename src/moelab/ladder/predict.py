@@ -190,6 +190,21 @@ def forecast(spec: LadderSpec, results: list[RunResult],
     return out
 
 
+def rung_residual_refusal(relative: float, rmse: float, n: int, cap: float | None
+                          ) -> str | None:
+    """The one-line reason fit.max_rung_residual (`cap`) refuses a measured-repetition
+    target whose law misses its own `n` rungs by a residual sd of `relative` of their mean
+    loss, or None."""
+    if cap is None or relative <= cap:
+        return None
+    return (f"the repetition law misses its own {n} rungs by a residual sd of "
+            f"{relative:.1%} of their loss (rmse {rmse:.3g} nats), more than "
+            f"fit.max_rung_residual {cap:.1%}: it does not describe how these "
+            "rungs overfit, so its prediction at the target would not hold to "
+            "that; train rungs closer to the target's passes and N/U, or raise "
+            "fit.max_rung_residual to pre-register anyway")
+
+
 def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
                          ) -> dict[str, Any]:
     """fit.repetition: measured. The law that can rise with passes (moelab.ladder.overfit)
@@ -204,14 +219,9 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
     fit = fit_overfit([r["active_params"] for r in rows], [r["tokens"] for r in rows],
                       passes, losses, options.confidence)
     relative = fit.rmse / float(np.mean(losses))
-    cap = options.max_rung_residual
-    if cap is not None and relative > cap:
-        raise FitError(f"the repetition law misses its own {fit.n} rungs by a residual sd of "
-                       f"{relative:.1%} of their loss (rmse {fit.rmse:.3g} nats), more than "
-                       f"fit.max_rung_residual {cap:.1%}: it does not describe how these "
-                       "rungs overfit, so its prediction at the target would not hold to "
-                       "that; train rungs closer to the target's passes and N/U, or raise "
-                       "fit.max_rung_residual to pre-register anyway")
+    reason = rung_residual_refusal(relative, fit.rmse, fit.n, options.max_rung_residual)
+    if reason:
+        raise FitError(reason)
     target = spec.target
     target_passes = most_passes(target)
     iv = fit.interval(target.active_params, target.tokens, max(target_passes, 1e-9))
