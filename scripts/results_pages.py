@@ -527,13 +527,17 @@ def headline(results: Path = RESULTS) -> str:
     rows += repetition_rows(results)
     width = optional(results / "width_transfer" / "width_transfer.json")
     if width is not None:
-        narrow, wide = width["widths"]
+        narrow, wide = width["widths"][0], width["widths"][-1]
+        power = width.get("optimum_matrix_lr_power")
         rows.append([f"width transfer: the loss-minimising LR at d_model {wide['d_model']} over "
                      f"d_model {narrow['d_model']}, as factors of the muP-style rule's "
                      "(1 when it transfers), [width_transfer](bench/results/width_transfer/)",
                      "1", f"{width['optimum_factor_ratio_interpolated']:.2f}x "
                      f"(grid: {width['optimum_factor_ratio']:g}x)",
-                     f"{width['steps']} steps, {len(width['factors'])} LRs per width", ""])
+                     f"{width['steps']} steps, {len(width['factors'])} LRs per width"
+                     + ("" if power is None else
+                        f"; optimum matrix LR ~ d_model^{power:.2f} over "
+                        f"{len(width['widths'])} widths (the rule: ^-1)"), ""])
     moe = load("compare_moe_dense/compare_moe_dense.json")
     for kind in ("theoretical", "realized"):
         lo, hi = moe[kind]["interval"]

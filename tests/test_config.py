@@ -33,6 +33,8 @@ from moelab.model import dispatch  # noqa: F401  (its registry checks moe.dispat
         ({"moe": {"bias_rate_schedule": "lr_decay"}}, "moe.bias_rate_schedule"),  # no bias
         ({"data": {"mixture": {"code": -1.0}}}, "data.mixture.code"),
         ({"optim": {"lr_base_width": -32}}, "optim.lr_base_width"),
+        ({"optim": {"lr_base_width": 32, "lr_width_power": 0}}, "optim.lr_width_power"),
+        ({"optim": {"lr_width_power": 0.8}}, "optim.lr_width_power"),
         ({"mtp": {"depth": 1}, "data": {"conversations": "sft/train.jsonl"}}, "mtp.depth"),
     ],
 )

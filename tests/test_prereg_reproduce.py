@@ -217,3 +217,26 @@ def test_newest_preregistration_reproduces(path, tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", RECORDS, ids=record_id)
 def test_preregistration_reproduces_bitwise(path, tmp_path, monkeypatch):
     check(path, tmp_path, monkeypatch)
+
+
+def test_a_config_field_added_at_its_default_keeps_the_records_hashes():
+    """A record whose run configs lack only fields added since (prereg.ADDED_FIELDS, at
+    their defaults) still matches its spec's configs: `ladder run` / `report` on that
+    ladder then resume instead of refusing. A value other than the default changes it."""
+    from moelab.config import config_to_dict
+
+    checked = 0
+    for path in RECORDS:
+        record = json.loads(path.read_text())
+        for run in [*record["rungs"], record["target"]]:
+            config = config_from_dict(run["config"])
+            lacks = {(section, name) for section, fields in config_to_dict(config).items()
+                     if isinstance(fields, dict) for name in fields
+                     if name not in run["config"].get(section, {})}
+            if lacks and lacks <= set(prereg.ADDED_FIELDS):
+                assert prereg.config_sha256(config) == run["config_sha256"], run["name"]
+                checked += 1
+    assert checked >= 3  # the held-out and repetition_v2 records, written before the field
+    raw = config_to_dict(config)
+    raw["optim"] = {**raw["optim"], "lr_base_width": 32, "lr_width_power": 0.8}
+    assert prereg.config_sha256(config_from_dict(raw)) != prereg.config_sha256(config)

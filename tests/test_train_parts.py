@@ -138,6 +138,19 @@ def test_width_transfer_scales_every_matrix_but_the_embedding():
         assert np.abs(a[k]).max() > 0, k
 
 
+def test_width_power_sets_the_width_rules_exponent():
+    # lr_width_power 0.5 at lr_base_width 16, d_model 64: (16/64)**0.5 = 1/2 (exact), so
+    # the matrices move half as far as the plain optimizer's, the embedding as far
+    plain_optim = OptimConfig(lr=1e-2, warmup_steps=0)
+    params, plain = _one_update(plain_optim, d_model=64)
+    _, scaled = _one_update(dataclasses.replace(plain_optim, lr_base_width=16,
+                                                lr_width_power=0.5), d_model=64)
+    a, b = _leaves(plain), _leaves(scaled)
+    np.testing.assert_array_equal(b[".moe_layers.attn.wq"], 0.5 * a[".moe_layers.attn.wq"])
+    np.testing.assert_array_equal(b[".embed"], a[".embed"])
+    assert set(_leaves(params)) == set(a)
+
+
 def test_bf16_compute_runs_and_keeps_float32_params():
     cfg = config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "n_layers": 1,
                                       "n_heads": 2, "n_kv_heads": 1, "d_ff": 32},

@@ -246,6 +246,10 @@ class OptimConfig:
     # experts, shared expert, router, output head) trains at lr * lr_base_width / d_model;
     # the embedding and the norm scales keep lr. One lr then serves every width of a ladder.
     lr_base_width: int = 0
+    # The power of that factor: (lr_base_width / d_model) ** lr_width_power. 1 is muP's
+    # rule; a measured sweep (bench/width_transfer.py) may put the optimum nearer 0.8 at
+    # the widths and lengths a ladder trains. Used only with lr_base_width > 0.
+    lr_width_power: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -530,6 +534,10 @@ def _validate_numbers(config: Config) -> None:
     _require(o.name != "muon" or not o.lr_base_width, "optim.lr_base_width",
              "is muP's Adam rule; optim.name=muon carries lr over widths by its own RMS "
              "matching (0.2 sqrt(max(fan_in, fan_out))): set optim.lr_base_width=0")
+    _require(0 < o.lr_width_power <= 2, "optim.lr_width_power",
+             f"must be in (0, 2], got {o.lr_width_power}")
+    _require(o.lr_width_power == 1.0 or o.lr_base_width > 0, "optim.lr_width_power",
+             "scales the width rule's factor; set optim.lr_base_width > 0 with it")
     _require(0 <= o.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
 

@@ -33,6 +33,8 @@ def entry(spec_name: str, report: dict[str, Any]) -> dict[str, Any]:
             "law": report["law"], "stages": rows,
             "curve_median_abs_rel_error": report["curve_median_abs_rel_error"],
             "passes_max": passes.get("target_max"),
+            # the LR the target's matrices trained at (the width rule of its method)
+            "target_matrix_lr": (report.get("target") or {}).get("matrix_lr"),
             "corpus": (report.get("corpus") or {}).get("content_sha256"),
             "preregistration_sha256": report["preregistration"]["sha256"],
             "coverage_items": {

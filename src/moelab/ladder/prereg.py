@@ -27,8 +27,18 @@ _RUN = {"name": str, "config_sha256": str}
 PREREG_SPEC = {"kind": str, "sha256": str, "rungs": [_RUN], "target": _RUN}
 
 
+# Config fields added after pre-registrations were written, with their defaults: a field
+# at its default is left out of the hash, so a ladder pre-registered before it still
+# matches its spec (resume, report). A value other than the default is hashed.
+ADDED_FIELDS = {("optim", "lr_width_power"): 1.0}
+
+
 def config_sha256(config: Config) -> str:
-    return hashlib.sha256(json.dumps(config_to_dict(config), sort_keys=True).encode()).hexdigest()
+    raw = config_to_dict(config)
+    for (section, name), default in ADDED_FIELDS.items():
+        if raw[section].get(name) == default:
+            del raw[section][name]
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
 
 
 def record_sha256(record: dict[str, Any]) -> str:

@@ -124,8 +124,9 @@ def decay_mask(params):
 
 
 def width_factor(cfg: OptimConfig, d_model: int) -> float:
-    """The lr multiplier of the width-scaled matrices (`optim.lr_base_width`), 1 when off."""
-    return cfg.lr_base_width / d_model if cfg.lr_base_width else 1.0
+    """The lr multiplier of the width-scaled matrices, (lr_base_width / d_model) **
+    lr_width_power (`optim`), 1 when off."""
+    return (cfg.lr_base_width / d_model) ** cfg.lr_width_power if cfg.lr_base_width else 1.0
 
 
 MUON_RMS = 0.2  # Moonlight: Muon's update RMS matched to AdamW's, so lr and decay carry over
@@ -178,7 +179,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params, d_model: int = 0,
                    schedule: optax.Schedule | None = None) -> optax.GradientTransformation:
     """`d_model` sets the width-transfer factor when `optim.lr_base_width` is on: the AdamW
     update (weight decay included, as it is decoupled and scales with lr) of every matrix
-    but the embedding is multiplied by lr_base_width / d_model. `schedule` replaces
+    but the embedding is multiplied by `width_factor`. `schedule` replaces
     `optim`'s own (a staged run passes `run_schedule(cfg)`). `optim.name: muon` puts
     Muon in AdamW's place for the hidden matrices (`muon`), under the same schedule."""
     del params  # the masks are computed lazily from the params optax sees
