@@ -142,7 +142,10 @@ def main() -> None:
     target = {**report["target"], "passes": max(report["passes"]["target"].values())}
     forms = study(report["points"], measured["passes"], target)
     cap = 0.02  # fit.max_rung_residual's default
-    out = {"kind": "moelab.bench.repetition_penalty_forms/1", "report": str(args.report),
+    report_path = args.report.resolve()
+    root = Path(__file__).resolve().parents[1]
+    shown = report_path.relative_to(root) if report_path.is_relative_to(root) else report_path
+    out = {"kind": "moelab.bench.repetition_penalty_forms/1", "report": shown.as_posix(),
            "n_rungs": len(report["points"]), "target_actual": target["final_val_loss"],
            "target_passes": target["passes"], "library_rmse": measured["rmse"],
            "max_rung_residual_cap": cap, "forms": forms,
