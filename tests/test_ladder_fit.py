@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import warnings
 
 import numpy as np
 import pytest
@@ -197,6 +199,13 @@ def test_curve_reach_backtests_find_a_drift_that_only_shows_far_out():
     assert drifted["joint"]["mean_rel_error"] < -0.005  # the law under-predicts out there
     three = _curve_reach(n[8:], s1[8:], q[8:], exact[8:], None, t_s1, t_q)["backtests"]
     assert "skipped" in three["width"] and "median_abs_rel_error" in three["s1_2x"]
+    # the widest rung short (a held-out ladder's): none of its points past half the
+    # largest S1, so `joint` has nothing to score: NaN, and no numpy warning on the way
+    short = np.where(n == n.max(), s1 / 4, s1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        joint = _curve_reach(n, short, q, exact, None, t_s1, t_q)["backtests"]["joint"]
+    assert joint["scored_points"] == 0 and math.isnan(joint["median_abs_rel_error"])
 
 
 # ------------------------------------------------------------------------ specs

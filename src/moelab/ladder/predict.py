@@ -598,8 +598,12 @@ def _curve_reach(cn, cs1, cs2, cy, start, t_s1, t_s2, form: str = "q") -> dict[s
             predicted = fit_curve(cn[fit], cs1[fit], cs2[fit], cy[fit], start, form).predict(
                 cn[scored], cs1[scored], cs2[scored])
             errors = (predicted - cy[scored]) / cy[scored]
-            entry |= {"median_abs_rel_error": float(np.median(np.abs(errors))),
-                      "mean_rel_error": float(np.mean(errors))}
+            # no point to score (the widest rung never passes half the largest S1): NaN,
+            # as the records written before this guard hold, without numpy's warning
+            entry |= ({"median_abs_rel_error": math.nan, "mean_rel_error": math.nan}
+                      if errors.size == 0 else
+                      {"median_abs_rel_error": float(np.median(np.abs(errors))),
+                       "mean_rel_error": float(np.mean(errors))})
         except (FitError, ValueError) as err:
             entry["skipped"] = str(err)
         reach["backtests"][name] = entry
