@@ -204,8 +204,13 @@ def test_curve_reach_backtests_find_a_drift_that_only_shows_far_out():
     short = np.where(n == n.max(), s1 / 4, s1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        joint = _curve_reach(n, short, q, exact, None, t_s1, t_q)["backtests"]["joint"]
+        reach = _curve_reach(n, short, q, exact, None, t_s1, t_q)
+    joint = reach["backtests"]["joint"]
     assert joint["scored_points"] == 0 and math.isnan(joint["median_abs_rel_error"])
+    from moelab.ladder.report import _reach_lines
+
+    line = _reach_lines(reach)[0]
+    assert "joint n/a (no point to score)" in line and "nan" not in line
 
 
 # ------------------------------------------------------------------------ specs

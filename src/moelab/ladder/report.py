@@ -11,6 +11,7 @@ any time without training.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -89,10 +90,11 @@ def _reach_lines(reach: dict[str, Any] | None) -> list[str]:
     """The curve law's extrapolation along S1 and width, as stated before the target ran."""
     if not reach or "ratio" not in reach:
         return []
-    tests = ", ".join(
-        f"{name} {b['median_abs_rel_error']:.2%}" if b["median_abs_rel_error"] == b[
-            "median_abs_rel_error"] else f"{name} n/a (no point to score)"  # NaN: none
-        for name, b in reach["backtests"].items() if "median_abs_rel_error" in b)
+    def score(name: str, error: float) -> str:
+        return f"{name} n/a (no point to score)" if math.isnan(error) else f"{name} {error:.2%}"
+
+    tests = ", ".join(score(name, b["median_abs_rel_error"])
+                      for name, b in reach["backtests"].items() if "median_abs_rel_error" in b)
     return [f"- the target's stable phase runs {reach['ratio']:.1f}x the rungs' longest in "
             f"lr-weighted tokens; the curve law extrapolating within the rungs (median |error|): "
             f"{tests or 'not fitted'}"]
