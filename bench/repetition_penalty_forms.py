@@ -37,12 +37,14 @@ import numpy as np
 
 from moelab.ladder.fit import ALPHA_MAX, ALPHA_MIN, LOG_A_BOUND, _solve
 from moelab.ladder.overfit import PENALTY_EXP_MAX
+from moelab.ladder.overfit import _features as library_features
+from moelab.ladder.spec import FitOptions
 
 HERE = Path(__file__).parent / "results"
 REPORT = HERE / "ladder_repetition" / "repetition_v2" / "report.json"
 RESULTS = HERE / "repetition_penalty_forms" / "repetition_penalty_forms.json"
 EXP = PENALTY_EXP_MAX
-# (penalty, bounds of its exponents after log P); the features are
+# (penalty, bounds of its exponents after log P); the features are the library's:
 # xn = N/N0, xd = D/D0, rep = max(R-1, 0), q = (N/U)/Q0
 FORMS = {
     "lovelace": (lambda p, xn, xd, rep, q: p[0] * rep ** p[1] * q ** p[2],
@@ -59,8 +61,7 @@ FORMS = {
 
 
 def features(n, d, r, ref):
-    n0, d0, q0 = ref
-    return n / n0, d / d0, np.maximum(r - 1.0, 0.0), (n * r / d) / q0
+    return library_features(n, d, r, *ref)
 
 
 def law(penalty):
@@ -141,7 +142,7 @@ def main() -> None:
     # a run sits at its largest passes over any source, as the library places it
     target = {**report["target"], "passes": max(report["passes"]["target"].values())}
     forms = study(report["points"], measured["passes"], target)
-    cap = 0.02  # fit.max_rung_residual's default
+    cap = FitOptions().max_rung_residual
     report_path = args.report.resolve()
     root = Path(__file__).resolve().parents[1]
     shown = report_path.relative_to(root) if report_path.is_relative_to(root) else report_path

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from moelab.config import HOME_ENV, config_from_dict
+from moelab.config import HOME_ENV, config_from_dict, config_to_dict
 from moelab.data.loader import META_FILE
 from moelab.ladder import prereg
 from moelab.ladder.fit import FitError
@@ -223,8 +223,6 @@ def test_a_config_field_added_at_its_default_keeps_the_records_hashes():
     """A record whose run configs lack only fields added since (prereg.ADDED_FIELDS, at
     their defaults) still matches its spec's configs: `ladder run` / `report` on that
     ladder then resume instead of refusing. A value other than the default changes it."""
-    from moelab.config import config_to_dict
-
     checked = 0
     for path in RECORDS:
         record = json.loads(path.read_text())
