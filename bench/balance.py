@@ -34,6 +34,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from machine import run_main  # bench/machine.py
 
 from moelab.config import load_config
 from moelab.data.loader import Loader
@@ -246,4 +247,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

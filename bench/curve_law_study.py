@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from machine import run_main  # bench/machine.py
 
 from moelab.config import config_from_dict
 from moelab.ladder.curve import schedule_areas
@@ -117,4 +118,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import cpu_model, load_per_core  # noqa: E402
+from machine import cpu_model, load_per_core, run_main  # noqa: E402
 
 from moelab.lab.store import Store, default_lab_path  # noqa: E402
 from moelab.ladder.compare import compare_ladders  # noqa: E402
@@ -103,4 +103,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

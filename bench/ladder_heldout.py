@@ -25,7 +25,13 @@ import json
 import shutil
 from pathlib import Path
 
-from machine import add_output_args, describe, load_per_core, refuse_if_busy  # bench/machine.py
+from machine import (  # bench/machine.py
+    add_output_args,
+    describe,
+    load_per_core,
+    refuse_if_busy,
+    run_main,
+)
 
 from moelab.jobs.cli import add_ray_arguments, ray_options
 from moelab.ladder import heldout
@@ -75,4 +81,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

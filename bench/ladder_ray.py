@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import describe, load_per_core, refuse_if_busy, settle  # bench/machine.py
+from machine import describe, load_per_core, refuse_if_busy, run_main, settle  # bench/machine.py
 
 from moelab.config import DataConfig, data_dir
 from moelab.jobs.local_cluster import DRIVER_ENV, LocalCluster
@@ -96,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ladder_heldout import keep  # bench/ladder_heldout.py: the files a study folder keeps
+from machine import run_main  # bench/machine.py
 
 from moelab.config import read_yaml
 from moelab.errors import UserError
@@ -183,4 +184,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from machine import describe, load_per_core, refuse_if_busy  # bench/machine.py
+from machine import describe, load_per_core, refuse_if_busy, run_main  # bench/machine.py
 
 from moelab.ladder.runner import run_ladder
 from moelab.ladder.spec import load_spec
@@ -57,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -18,7 +18,9 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -107,6 +109,28 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     round share that moment's machine state; on these VMs the state drifts between
     stretches of rounds, which a ratio of the two medians mixes in."""
     return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+
+
+def run_main(main: Callable[[], int | None]) -> None:
+    """Runs a benchmark's main as `moelab` runs a command: bad input (a corpus not
+    prepared, a spec that does not load) ends in one line and exit 2, a stop that saved its
+    work (SIGTERM to a ladder's training run) in one line and exit 130, never a traceback."""
+    from moelab.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, Interrupted, UserError
+    from moelab.schema import bounded
+
+    name = Path(sys.argv[0]).name or "bench"
+    try:
+        code = main()
+    except UserError as err:
+        print(bounded(f"{name}: error: {err}"), file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except Interrupted as stop:
+        print(f"{name}: {stop}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(code or 0)
 
 
 def add_output_args(parser: argparse.ArgumentParser, default: Path) -> None:

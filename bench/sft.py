@@ -25,6 +25,7 @@ from pathlib import Path
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+from machine import run_main  # bench/machine.py
 
 from moelab.config import config_from_dict
 from moelab.data.chat import (
@@ -172,4 +173,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

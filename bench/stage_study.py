@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from machine import cpu_model  # bench/machine.py
+from machine import cpu_model, run_main  # bench/machine.py
 
 from moelab.config import config_from_dict, config_to_dict, data_dir, load_config
 from moelab.data.loader import read_meta, resolve_mixture
@@ -122,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -62,6 +62,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from balance import METHODS, finished  # noqa: E402
+from machine import run_main  # noqa: E402
 
 from moelab.config import MeshConfig, MoEConfig, data_dir, load_config  # noqa: E402
 from moelab.data.loader import read_meta  # noqa: E402
@@ -300,4 +301,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

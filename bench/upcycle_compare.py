@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import cpu_model, load_per_core  # noqa: E402
+from machine import cpu_model, load_per_core, run_main  # noqa: E402
 
 from moelab.config import config_from_dict, config_to_dict, load_config  # noqa: E402
 from moelab.lab.store import Store, default_lab_path  # noqa: E402
@@ -204,4 +204,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

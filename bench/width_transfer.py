@@ -29,7 +29,13 @@ import math
 from pathlib import Path
 
 import numpy as np
-from machine import add_output_args, describe, load_per_core, refuse_if_busy  # bench/machine.py
+from machine import (  # bench/machine.py
+    add_output_args,
+    describe,
+    load_per_core,
+    refuse_if_busy,
+    run_main,
+)
 
 from moelab.config import Config, config_from_dict, config_to_dict
 from moelab.ladder.runner import ensure_trained
@@ -157,4 +163,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
