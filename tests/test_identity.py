@@ -162,6 +162,10 @@ def test_longctx_reads_the_corpus_where_train_does(root, monkeypatch, tmp_path):
 # ------------------------------------------------------------------ ladder
 
 
+# three points at two compute levels (two rungs of one width, one of another)
+TWO_LEVELS = [{"name": n, "model": {"d_model": d}} for n, d in (("a", 16), ("b", 16), ("c", 32))]
+
+
 def ladder(root, **changes) -> str:
     spec = {"base": tiny_config("./data"), "seeds": [0, 1],
             "rungs": [{"name": f"r{d}", "model": {"d_model": d}} for d in (16, 24, 32)],
@@ -181,12 +185,29 @@ def test_a_ladder_is_checked_completely_before_the_first_rung(root, capsys, monk
     refused(cli(capsys, "ladder", "run", ladder(root, seeds=None)), "noise_sd")
     refused(cli(capsys, "ladder", "run", ladder(root, fit={"law": "chinchilla"})),
             "chinchilla needs at least 5", "has 3")
+    backtest = {"law": "backtest", "misspecification": True}
+    refused(cli(capsys, "ladder", "run", ladder(root, rungs=TWO_LEVELS, fit=backtest)),
+            "needs at least 3 compute levels", "has 2")
     staged = [{"mixture": {}}, {"start": 0.5, "mixture": {"nosuch": 1.0}}]
     refused(cli(capsys, "ladder", "run", ladder(root, base={**tiny_config("./data"),
                                                             "stages": staged})), "nosuch")
     refused(cli(capsys, "ladder", "run", ladder(root), "--experiment", "exp-9"),
             "no lab database")
     assert not (root / "runs").exists()  # nothing trained, no directory made
+
+
+def test_run_ladder_itself_refuses_before_the_first_rung(root, monkeypatch):
+    # benchmarks (bench/ladder_heldout.py) call run_ladder, not `ladder run`: a law that
+    # cannot be chosen must stop them too, not after the rungs have trained (it did: h6)
+    from moelab.ladder.runner import run_ladder
+    from moelab.ladder.spec import load_spec
+
+    monkeypatch.chdir(root)
+    backtest = {"law": "backtest", "misspecification": True}
+    spec = load_spec(root / ladder(root, rungs=TWO_LEVELS, fit=backtest))
+    with pytest.raises(UserError, match="needs at least 3 compute levels"):
+        run_ladder(spec)
+    assert not any((spec.out / r.name).exists() for r in spec.runs())
 
 
 def test_a_rerun_over_a_run_of_another_config_names_the_change(root):

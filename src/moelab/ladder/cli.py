@@ -89,6 +89,18 @@ def _plan(args: argparse.Namespace) -> None:
     print(f"rungs train {total:.3g} FLOPs; the target {spec.target.compute:.3g} "
           f"({spec.target.compute / max(r.compute for r in spec.rungs):.1f}x the largest rung)")
     _print_passes(spec)
+    _print_preflight(spec)
+
+
+def _print_preflight(spec) -> None:
+    """What `ladder run` would refuse the spec for before its first rung trains."""
+    from moelab.errors import UserError
+    from moelab.ladder.preflight import check_spec
+
+    try:
+        check_spec(spec)
+    except UserError as err:
+        print(f"ladder run will refuse: {err}")
 
 
 def _print_passes(spec) -> None:

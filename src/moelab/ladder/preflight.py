@@ -23,11 +23,23 @@ LAW_MINIMUM = {"chinchilla": ("distinct points (rungs or branches)", 5),
                "compute": ("compute levels (its IsoFLOP minima)", 3)}
 
 
-def check_ladder_run(spec: LadderSpec, experiment: str | None) -> None:
-    """Raise a one-line UserError for the first reason `ladder run` could not finish."""
+# fit.law: backtest picks the law whose backtests that hold out the lowest or the highest
+# compute level extrapolate best (moelab.ladder.misspec): with two levels, holding one out
+# leaves a single level, and there is nothing to extrapolate from
+BACKTEST_LEVELS = 3
+
+
+def check_spec(spec: LadderSpec) -> None:
+    """Raise a one-line UserError for the first reason the spec itself could not reach its
+    pre-registration (whoever runs it: `ladder run`, a benchmark, a Ray driver)."""
     _check_law(spec)
     _check_noise(spec)
     _check_sources(spec)
+
+
+def check_ladder_run(spec: LadderSpec, experiment: str | None) -> None:
+    """Raise a one-line UserError for the first reason `ladder run` could not finish."""
+    check_spec(spec)
     if experiment:
         from moelab.lab.store import Store, default_lab_path
 
@@ -38,14 +50,22 @@ def check_ladder_run(spec: LadderSpec, experiment: str | None) -> None:
     outputs.check_dir(spec.out, ours=outputs.is_ours(spec.out) or legacy)
 
 
+def _levels(spec: LadderSpec) -> int:
+    return int(compute_levels([runs[0].compute for runs in spec.points().values()]).max()) + 1
+
+
 def _check_law(spec: LadderSpec) -> None:
     law = spec.fit.law
+    if law == "backtest" and (have := _levels(spec)) < BACKTEST_LEVELS:
+        raise ConfigError(f"fit.law: backtest chooses the law by backtests that hold out the "
+                          f"lowest or the highest compute level, which needs at least "
+                          f"{BACKTEST_LEVELS} compute levels among the rungs; the spec has "
+                          f"{have}; add rungs at another compute or name the law")
     if law not in LAW_MINIMUM:
         return  # the curve law fits every evaluation of every rung: dozens of points
     what, needed = LAW_MINIMUM[law]
     points = spec.points()
-    have = (len(points) if law == "chinchilla" else
-            int(compute_levels([runs[0].compute for runs in points.values()]).max()) + 1)
+    have = len(points) if law == "chinchilla" else _levels(spec)
     if have < needed:
         raise ConfigError(f"fit.law: {law} needs at least {needed} {what}, the spec has "
                           f"{have}; add rungs or choose another fit.law")

@@ -17,7 +17,7 @@ from typing import Any
 from moelab.config import config_to_dict
 from moelab.errors import UserError
 from moelab.jobs import Job, run_jobs
-from moelab.ladder import prereg, repetition
+from moelab.ladder import preflight, prereg, repetition
 from moelab.ladder.predict import forecast
 from moelab.ladder.report import write_report
 from moelab.ladder.results import (
@@ -168,6 +168,7 @@ def run_ladder(spec: LadderSpec, experiment: str | None = None, ray: str | None 
 
     trainer.prepared_data(spec.target.config)  # the corpus whose passes are counted
     if not (spec.out / prereg.PREREG_FILE).exists():  # else it was decided when registered
+        preflight.check_spec(spec)  # a law that cannot be fitted: refused before rungs train
         repetition.check(spec)  # a target past the rungs' repetition: refused before they train
     spec.out.mkdir(parents=True, exist_ok=True)
     before = spec.rungs + spec.lr_runs
