@@ -168,8 +168,8 @@ def run_ladder(spec: LadderSpec, experiment: str | None = None, ray: str | None 
 
     trainer.prepared_data(spec.target.config)  # the corpus whose passes are counted
     if not (spec.out / prereg.PREREG_FILE).exists():  # else it was decided when registered
-        preflight.check_spec(spec)  # a law that cannot be fitted: refused before rungs train
         repetition.check(spec)  # a target past the rungs' repetition: refused before they train
+        preflight.check_spec(spec)  # a law that cannot be fitted: refused before rungs train
     spec.out.mkdir(parents=True, exist_ok=True)
     before = spec.rungs + spec.lr_runs
     done = train_runs([(spec, before)], experiment, ray, cpus, **ray_options)
