@@ -1,5 +1,6 @@
 """Shared fixtures: a small real two-source dataset and a tiny training config."""
 
+import importlib
 import json
 import os
 import random
@@ -46,6 +47,19 @@ def small_corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "small"
     prepare(out, SMALL_SOURCES, vocab_size=512, max_docs_per_source=60, max_chars=20_000)
     return out
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def import_bench(name: str):
+    """A bench/ script as a module; bench/ is on the path only while it imports (the
+    scripts import their siblings, bench/machine.py, by bare name)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 def tiny_config(data_path: Path, **sections) -> dict:

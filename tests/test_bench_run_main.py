@@ -3,24 +3,15 @@ its work ends in one line and the CLI's exit codes, as `moelab` does, not a trac
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import import_bench
 
 from moelab.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, Interrupted, UserError
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def machine():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("machine")
-    finally:
-        sys.path.remove(str(BENCH))
+    return import_bench("machine")
 
 
 def _raises(error: BaseException):

@@ -3,25 +3,16 @@ optima a sweep measured (issue 42, item 2)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import import_bench
 
 from moelab.config import OptimConfig
 from moelab.train.optimizer import width_factor
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture(scope="module")
 def sweep_module():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("width_transfer")
-    finally:
-        sys.path.remove(str(BENCH))
+    return import_bench("width_transfer")
 
 
 @pytest.mark.parametrize("true_power", [0.8, 0.65, 1.0])
