@@ -51,7 +51,8 @@ RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repe
 # the measured-repetition ladders, in the order they were written; the decay is the last
 # finished one's
 REPETITION_SPECS = [LADDER_PRESETS / "dev" / "repetition.yaml",
-                    LADDER_PRESETS / "dev" / "repetition_v2.yaml"]
+                    LADDER_PRESETS / "dev" / "repetition_v2.yaml",
+                    LADDER_PRESETS / "dev" / "repetition_v3.yaml"]
 HELDOUT = LADDER_PRESETS / "heldout"
 HELDOUT_RESULTS = Path(__file__).parent / "results" / "ladder_heldout"
 DEFAULT_CORPUS = "runs/data/default"
