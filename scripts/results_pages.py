@@ -538,6 +538,21 @@ def headline(results: Path = RESULTS) -> str:
                      + ("" if power is None else
                         f"; optimum matrix LR ~ d_model^{power:.2f} over "
                         f"{len(width['widths'])} widths (the rule: ^-1)"), ""])
+    horizon = optional(results / "horizon_transfer" / "horizon_transfer.json")
+    if horizon is not None:
+        short, long_ = horizon["horizons"][0], horizon["horizons"][-1]
+        spread = [max(r["final_val_loss"] for r in h["runs"])
+                  - min(r["final_val_loss"] for r in h["runs"]) for h in (short, long_)]
+        power = horizon["optimum_tokens_power"]
+        rows.append([f"horizon transfer: the optimum LR's power in tokens at d_model "
+                     f"{horizon['d_model']}, {short['steps']} against {long_['steps']} steps, "
+                     "[horizon_transfer](bench/results/horizon_transfer/)",
+                     "published: -0.28 (Marin)",
+                     "none (no optimum between grid points)" if power is None
+                     else f"{power:+.2f}",
+                     f"{len(horizon['factors'])} LRs per horizon; loss spread over them "
+                     f"{spread[0]:.3f} nats at {short['steps']} steps, {spread[1]:.3f} at "
+                     f"{long_['steps']}", ""])
     moe = load("compare_moe_dense/compare_moe_dense.json")
     for kind in ("theoretical", "realized"):
         lo, hi = moe[kind]["interval"]

@@ -10,6 +10,7 @@ import yaml
 from conftest import tiny_config
 
 from moelab import cli
+from moelab.config import ConfigError
 from moelab.eval.bpb import val_windows as windows
 from moelab.lab.store import Store
 from moelab.ladder import prereg
@@ -190,3 +191,27 @@ def test_a_cooldown_branch_is_the_shorter_run(tmp_path, small_corpus):
     alone = result(branch, scratch)
     assert branched.final_val_loss == pytest.approx(alone.final_val_loss, rel=1e-6)
     assert [e["step"] for e in branched.curve] == [20]  # its own evaluations: after step 16
+
+
+def test_lr_horizon_sets_each_runs_lr_by_its_tokens(tmp_path, small_corpus):
+    """lr_horizon: a run of D tokens trains at lr * (D / T)^-p; a branch keeps its trunk's
+    LR (it is that run up to its branch step); bad values are one-line config errors."""
+    raw = ladder_spec(small_corpus)
+    raw["lr_horizon"] = {"tokens": 40 * 4 * 32, "power": 0.5}
+    spec = spec_from_dict(raw, "h", tmp_path / "ladder")
+    lr = {r.name: r.config.optim.lr for r in spec.runs()}
+    tokens = {r.name: r.tokens for r in spec.runs()}
+    base = 1e-2
+    assert tokens["r1-s0"] == 40 * 4 * 32  # tiny_config's batch 4 x seq 32
+    assert lr["r1-s0"] == pytest.approx(base)  # at the horizon T: the spec's lr
+    assert lr["r3-s0"] == pytest.approx(base * (60 / 40) ** -0.5)
+    assert lr["r3-b50-s0"] == lr["r3-s0"]  # the branch is its trunk up to step 50
+    assert spec.target.config.optim.lr == pytest.approx(base * (520 / 40) ** -0.5)
+    assert spec_from_dict({k: v for k, v in raw.items() if k != "lr_horizon"}, "n",
+                          tmp_path / "n").target.config.optim.lr == base
+    for bad, says in [({"tokens": 0, "power": 0.3}, "lr_horizon.tokens"),
+                      ({"tokens": 100, "power": 1.5}, "lr_horizon.power"),
+                      ({"tokens": 100}, "lr_horizon: expected")]:
+        raw["lr_horizon"] = bad
+        with pytest.raises(ConfigError, match=says):
+            spec_from_dict(raw, "h", tmp_path / "ladder")

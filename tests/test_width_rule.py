@@ -44,3 +44,17 @@ def test_no_rule_without_two_optima_inside_the_grid(sweep_module):
                                    {"d_model": 64, "optimum_factor_interpolated": 2.0}])
     assert slope == pytest.approx(0.5, abs=1e-12)
     assert sweep_module.fitted_rule((1.2, 0.0), 32) is None  # optimum LR rising with width
+
+
+def test_horizon_power_is_the_optimum_lrs_slope_in_tokens():
+    """bench/horizon_transfer.py: optima at two or three horizons, the power of the optimum
+    LR in tokens read back exactly from exact data; a horizon whose optimum sat at the
+    grid's edge (None) is left out, and one optimum alone gives no power."""
+    horizon = import_bench("horizon_transfer")
+    for power in (-0.28, 0.0, 0.1):
+        rows = [{"tokens": t, "optimum_factor_interpolated": 1.3 * (t / 1e6) ** power}
+                for t in (1.2e6, 2.4e6, 4.9e6)]
+        assert horizon.tokens_power(rows) == pytest.approx(power, abs=1e-12)
+    rows[1]["optimum_factor_interpolated"] = None
+    assert horizon.tokens_power(rows) == pytest.approx(0.1, abs=1e-12)
+    assert horizon.tokens_power(rows[:2]) is None

@@ -14,6 +14,7 @@ A spec is YAML:
       - ...
     target: {name: target, model: {d_model: 160}, train: {steps: 2000}}
     lr_check: {rungs: [w32, w96], factors: [0.5, 2.0]}  # optional
+    lr_horizon: {tokens: 1228800, power: 0.3}           # optional (below)
     fit: {bootstrap: 1000, confidence: 0.9, seed: 0}    # optional
 
 Each rung's sections override base's field by field (a rung's data.mixture replaces
@@ -27,6 +28,14 @@ WSD cooldowns: a branch of L steps resumes the rung's run from its checkpoint at
 where an L-step WSD run would start decaying, and decays from there, so it *is* an L-step
 run (same warmup, lr and batches up to that step) that costs only its decay. Rungs may
 share a compute level (IsoFLOP grids) and need no order.
+
+`lr_horizon` scales each run's LR with the tokens it trains: optim.lr * (tokens / T) **
+-power, T = `lr_horizon.tokens` (the horizon at which base's lr was chosen), tokens = steps x
+batch_size x seq_len of that run. The optimum LR falls as runs get longer (Bjorck et al.
+2024; Marin's fitted rule has adam_lr ~ tokens^-0.28), and a ladder's target trains several
+times the tokens of its longest rung; bench/horizon_transfer.py measures the power. The
+rule sets each run's optim.lr (printed by `moelab ladder plan`, kept in its config.yaml);
+a cooldown branch keeps its trunk's, since it is that run up to its branch step.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ from moelab.train.optimizer import width_factor
 
 MIN_POINTS = 3  # L(C) has three parameters; more points leave residuals to check it by
 MIN_TARGET_RATIO = 8.0  # the target's compute over the largest rung's, at least
-SPEC_KEYS = {"name", "out", "base", "seeds", "evals", "rungs", "target", "lr_check", "fit"}
+SPEC_KEYS = {"name", "out", "base", "seeds", "evals", "rungs", "target", "lr_check", "fit",
+             "lr_horizon"}
 REPETITION = ("muennighoff", "none", "measured")  # fit.repetition's values
 RUNG_KEYS = {"name", "seeds", "branches"}  # besides config sections
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a rung's name is its run directory
@@ -188,6 +198,37 @@ def _config(raw: dict[str, Any], base: dict[str, Any], where: str, name: str) ->
         raise ConfigError(f"{where} ({name}): {err}") from err
 
 
+@dataclass(frozen=True)
+class Horizon:
+    """`lr_horizon`: the LR of a run of `tokens` tokens is lr * (tokens / self.tokens) **
+    -self.power (see the module docstring)."""
+
+    tokens: int
+    power: float
+
+    def apply(self, config: Config) -> Config:
+        d = config.data
+        factor = (config.train.steps * d.batch_size * d.seq_len / self.tokens) ** -self.power
+        return dataclasses.replace(config, optim=dataclasses.replace(
+            config.optim, lr=config.optim.lr * factor))
+
+
+def _horizon(raw: Any) -> Horizon | None:
+    if raw is None:
+        return None
+    where = "lr_horizon"
+    if not isinstance(raw, dict) or set(raw) != {"tokens", "power"}:
+        raise ConfigError(f"{where}: expected {{tokens: T, power: p}} (the horizon base lr was "
+                          f"chosen at, and the LR's power in tokens), got {brief(raw)}")
+    tokens, power = raw["tokens"], raw["power"]
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        raise ConfigError(f"{where}.tokens: a positive integer (tokens), got {brief(tokens)}")
+    if not isinstance(power, int | float) or isinstance(power, bool) or not 0 <= power <= 1:
+        raise ConfigError(f"{where}.power: a number in [0, 1] (the LR falls as "
+                          f"tokens^-power), got {brief(power)}")
+    return Horizon(tokens, float(power))
+
+
 def _int_list(raw: Any, where: str, minimum: int = 0) -> list[int]:
     if not isinstance(raw, list) or not raw or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in raw):
@@ -257,7 +298,8 @@ def _branch_starts(config: Config, branches: list[int], where: str) -> dict[int,
 
 
 def _expand_rung(raw: Any, base: dict[str, Any], where: str, default_name: str,
-                 seeds: list[int] | None, evals: int) -> list[Rung]:
+                 seeds: list[int] | None, evals: int,
+                 horizon: Horizon | None = None) -> list[Rung]:
     """A rung's runs: one per seed, each followed by its cooldown branches."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping of config sections, got {brief(raw)}")
@@ -274,6 +316,8 @@ def _expand_rung(raw: Any, base: dict[str, Any], where: str, default_name: str,
         raise ConfigError(f"{where} ({name}): {bad} must be config sections (mappings); "
                           f"a rung's other keys are {sorted(RUNG_KEYS)}")
     config = _config(raw, base, where, name)
+    if horizon is not None:  # before the branches, which keep their trunk's LR
+        config = horizon.apply(config)
     starts = _branch_starts(config, sorted(branches), f"{where} ({name})")
     every = math.gcd(*starts.values(), max(config.train.steps // evals, 1)) if starts else None
     runs = []
@@ -418,8 +462,10 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
         raise ConfigError("rungs: expected a list of rungs, each a mapping of config sections")
     if "target" not in raw:
         raise ConfigError("target: missing; the ladder needs one target run to predict")
+    horizon = _horizon(raw.get("lr_horizon"))
     rungs = tuple(run for i, r in enumerate(rungs_raw)
-                  for run in _expand_rung(r, base, f"rungs[{i}]", f"rung{i + 1}", seeds, evals))
+                  for run in _expand_rung(r, base, f"rungs[{i}]", f"rung{i + 1}", seeds, evals,
+                                          horizon))
     target_raw = raw["target"]
     if not isinstance(target_raw, dict):
         raise ConfigError(f"target: expected a mapping of config sections, got {target_raw!r}")
@@ -428,6 +474,8 @@ def spec_from_dict(raw: Any, name: str, out: str | Path | None = None) -> Ladder
     if not isinstance(target_name, str) or not NAME.match(target_name):
         raise ConfigError(f"target.name: {target_name!r} must be a plain directory name")
     target_cfg = _config(target_raw, base, "target", target_name)
+    if horizon is not None:
+        target_cfg = horizon.apply(target_cfg)
     target = Rung(target_name, _ladder_fields(target_cfg, evals, seeds[0] if seeds else None,
                                               None, "target"), target_name)
     validate_compute(rungs, target)
