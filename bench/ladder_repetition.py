@@ -44,7 +44,7 @@ from machine import run_main  # bench/machine.py
 from moelab.config import read_yaml
 from moelab.errors import UserError
 from moelab.ladder import repetition
-from moelab.ladder.predict import rung_residual_refusal
+from moelab.ladder.predict import interval_refusal, rung_residual_refusal
 from moelab.ladder.spec import LADDER_PRESETS, load_spec, spec_from_dict
 
 RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repetition.json"
@@ -148,6 +148,10 @@ def main() -> None:
                 measured = decay(spec.name, report)
                 reason = rung_residual_refusal(measured["relative_rmse"], measured["rmse"],
                                                measured["n_points"], spec.fit.max_rung_residual)
+                r = runs[-1]
+                reason = reason or interval_refusal(
+                    {"value": r["predicted"], **r["interval"]}, spec.fit.confidence,
+                    spec.fit.precision)
                 if reason:  # a check added after the record: it refuses today
                     runs[-1]["refused_now"] = (f"{reason} (pre-registered before this check, "
                                                "its result stands)")

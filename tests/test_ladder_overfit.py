@@ -10,7 +10,7 @@ from moelab.config import ConfigError
 from moelab.ladder import repetition
 from moelab.ladder.fit import FitError
 from moelab.ladder.overfit import fit_overfit
-from moelab.ladder.predict import forecast
+from moelab.ladder.predict import forecast, interval_refusal
 from moelab.ladder.report import _repetition_lines
 from moelab.ladder.results import RunResult
 from moelab.ladder.spec import spec_from_dict
@@ -141,11 +141,50 @@ def test_measured_repetition_refuses_a_law_that_misses_its_own_rungs(tmp_path, m
     with pytest.raises(FitError, match="fit.max_rung_residual 2.0%") as err:
         forecast(spec, results, [])
     assert "\n" not in str(err.value)
-    loose, _ = _measuring_spec(tmp_path / "loose", max_rung_residual=0.2)
+    # raised, it pre-registers (the 5% misfit also widens the interval past fit.precision,
+    # which is checked next and lifted here too)
+    loose, _ = _measuring_spec(tmp_path / "loose", max_rung_residual=0.2, precision=None)
     record = forecast(loose, results, [])
     assert 0.02 < record["repetition"]["measured"]["relative_rmse"] < 0.2
     with pytest.raises(ConfigError, match="fit.max_rung_residual: must be a fraction"):
         _measuring_spec(tmp_path / "bad", max_rung_residual=2)
+
+
+def test_precision_refuses_an_interval_too_wide_to_hold_it():
+    """A 90% interval of half-width h, read as a normal one, has sd h / 1.645 and even odds
+    within 0.674 sd: the odds of landing within 2% are even at h = 2% x 1.645 / 0.674 =
+    4.88% of the value. repetition_v3's interval ([3.38, 4.58] around 3.978, +-15%) gives
+    even odds only within 6.2%, so it is refused in one line; 4.8% passes, 5.0% does not."""
+    v3 = {"value": 3.9782, "low": 3.3799, "high": 4.5764}
+    reason = interval_refusal(v3, 0.9, 0.02)
+    assert reason and "fit.precision 2.0%" in reason and "\n" not in reason
+    assert "within 6.2%" in reason
+    at = {"value": 3.0, "low": 3.0 * (1 - 0.048), "high": 3.0 * (1 + 0.01)}
+    assert interval_refusal(at, 0.9, 0.02) is None
+    assert interval_refusal({**at, "high": 3.0 * 1.05}, 0.9, 0.02)  # the larger side counts
+    assert interval_refusal(v3, 0.9, None) is None
+    assert interval_refusal(v3, 0.9, 0.07) is None
+
+
+def test_measured_repetition_refuses_by_its_own_interval(tmp_path, monkeypatch):
+    """Through the pre-registration: the law fitted on 16 noisy rungs has an interval at its
+    target of some width; a precision below what it gives refuses in one line naming
+    fit.precision, and null pre-registers the same record."""
+    spec, passes = _measuring_spec(tmp_path)
+    monkeypatch.setattr(repetition, "run_passes",
+                        lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
+    results, _ = _measured_results(spec, passes)
+    record = forecast(spec, results, [])  # the default 2%: this interval is narrow enough
+    p = record["prediction"]
+    half = max(p["high"] - p["value"], p["value"] - p["low"]) / p["value"]
+    tight, _ = _measuring_spec(tmp_path / "tight", precision=half / 10)
+    with pytest.raises(FitError, match="fit.precision") as err:
+        forecast(tight, results, [])
+    assert "\n" not in str(err.value)
+    off, _ = _measuring_spec(tmp_path / "off", precision=None)
+    assert forecast(off, results, [])["prediction"]["value"] == p["value"]
+    with pytest.raises(ConfigError, match="fit.precision: must be a fraction"):
+        _measuring_spec(tmp_path / "bad", precision=2)
 
 
 def test_measured_repetition_needs_enough_rungs_and_repeating_rungs(tmp_path):

@@ -51,8 +51,9 @@ BOOKKEEPING = {"kind", "ladder", "created_at", "code_version", "sha256", "rungs"
                "corpus", "passes"}
 # fit.repetition (2d08655) made "muennighoff" the default; the records written before it
 # counted every token the same. fit.max_rung_residual (the cap on the measured repetition
-# law's misfit to its rungs) refuses where the records before it pre-registered
-LEGACY_OPTIONS = {"repetition": "none", "max_rung_residual": None}
+# law's misfit to its rungs) and fit.precision (on its interval's width at the target)
+# refuse where the records before them pre-registered
+LEGACY_OPTIONS = {"repetition": "none", "max_rung_residual": None, "precision": None}
 # Fields the record gained after some committed records were written (a trailing "." for
 # every key below): the commit that added each
 ADDED = {

@@ -26,6 +26,7 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
+import scipy.stats
 
 from moelab.errors import UserError
 from moelab.ladder import misspec
@@ -205,6 +206,28 @@ def rung_residual_refusal(relative: float, rmse: float, n: int, cap: float | Non
             "fit.max_rung_residual to pre-register anyway")
 
 
+def interval_refusal(interval: dict[str, float], confidence: float,
+                     precision: float | None) -> str | None:
+    """The one-line reason fit.precision refuses a measured-repetition target whose own
+    `confidence` interval gives it less than even odds of landing within `precision` of
+    its value, or None. The interval is read as a normal one: its larger half-width over
+    z((1 + confidence) / 2) is the sd, and half the mass of a normal lies within z(0.75)
+    sd of its centre."""
+    if precision is None:
+        return None
+    value = interval["value"]
+    half = max(interval["high"] - value, value - interval["low"]) / abs(value)
+    z = float(scipy.stats.norm.ppf((1 + confidence) / 2))
+    within = half / z * float(scipy.stats.norm.ppf(0.75))  # even odds within this
+    if within <= precision:
+        return None
+    return (f"the repetition law's own {confidence:.0%} interval at the target is "
+            f"[{interval['low']:.4g}, {interval['high']:.4g}] around {value:.4g} "
+            f"(+-{half:.1%}): by it the target lands within {within:.1%} only at even odds, "
+            f"wider than fit.precision {precision:.1%}; train repeating rungs nearer the "
+            "target's N, D and passes, or raise fit.precision to pre-register anyway")
+
+
 def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
                          ) -> dict[str, Any]:
     """fit.repetition: measured. The law that can rise with passes (moelab.ladder.overfit)
@@ -212,7 +235,8 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
     rungs' plans draw their corpora; its value and interval at the target, and beside it
     Muennighoff's decay fitted to the same points (its R* by the published 15.39). Raises
     FitError (the pre-registration refuses) when the law misses its own rungs by more than
-    fit.max_rung_residual of their mean loss."""
+    fit.max_rung_residual of their mean loss, or when its interval at the target is too
+    wide for fit.precision."""
     runs = {r.name: r for r in spec.rungs}
     passes = [most_passes(runs[row["runs"][0]]) for row in rows]
     losses = [r["mean"] for r in rows]
@@ -225,6 +249,9 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
     target = spec.target
     target_passes = most_passes(target)
     iv = fit.interval(target.active_params, target.tokens, max(target_passes, 1e-9))
+    reason = interval_refusal(iv, options.confidence, options.precision)
+    if reason:
+        raise FitError(reason)
     return {"value": iv["value"], "interval": iv,
             "fit": {**fit.to_dict(), "passes": passes, "relative_rmse": relative},
             "target_passes": target_passes}

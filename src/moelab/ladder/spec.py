@@ -109,6 +109,12 @@ class FitOptions:
     # held to cannot be expected to land within it at an extrapolated target, so past this
     # the pre-registration refuses (null: no check)
     max_rung_residual: float | None = 0.02
+    # fit.repetition: measured only: the relative error a prediction is held to. The target
+    # is refused when its own interval gives it less than even odds of landing that close
+    # (the interval read as a normal one: half-width at fit.confidence over
+    # z((1 + confidence) / 2), times z(0.75), above this fraction of the value), since the
+    # law then says itself it cannot predict to that precision (null: no check)
+    precision: float | None = 0.02
 
 
 @dataclass(frozen=True)
@@ -380,6 +386,12 @@ def _fit_options(raw: Any) -> FitOptions:
                             or not 0 < cap < 1):
         raise ConfigError(f"fit.max_rung_residual: must be a fraction in (0, 1) or null, got "
                           f"{cap!r}")
+    precision = options.precision
+    if precision is not None and (isinstance(precision, bool)
+                                  or not isinstance(precision, int | float)
+                                  or not 0 < precision < 1):
+        raise ConfigError(f"fit.precision: must be a fraction in (0, 1) or null, got "
+                          f"{precision!r}")
     return options
 
 
