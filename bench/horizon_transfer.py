@@ -26,12 +26,11 @@ horizons; Marin's rule -0.28).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import numpy as np
-from machine import add_output_args, describe, load_per_core, refuse_if_busy, run_main
+from machine import add_output_args, quiet_start, run_main, write_result
 from width_transfer import probe, vertex
 
 from moelab.errors import UserError
@@ -91,13 +90,11 @@ def main() -> None:
     add_output_args(parser, RESULTS)
     args = parser.parse_args()
     spec = load_spec(args.spec)
-    before = load_per_core()
-    refuse_if_busy(describe(before, before), args.force)
-    result = sweep(spec, args.width, sorted(args.steps), tuple(sorted(args.factors)),
-                   args.runs or Path("runs/horizon_transfer") / spec.name)
-    out = {**result, "machine": describe(before, load_per_core())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    before = quiet_start(args.force)
+    out = write_result(args.out, sweep(spec, args.width, sorted(args.steps),
+                                       tuple(sorted(args.factors)),
+                                       args.runs or Path("runs/horizon_transfer") / spec.name),
+                       before)
     for h in out["horizons"]:
         losses = ", ".join(f"x{r['factor']:g} {r['final_val_loss']:.4f}" for r in h["runs"])
         print(f"{h['steps']} steps ({h['tokens']:,} tokens): {losses}; optimum "

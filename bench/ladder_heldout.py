@@ -25,13 +25,7 @@ import json
 import shutil
 from pathlib import Path
 
-from machine import (  # bench/machine.py
-    add_output_args,
-    describe,
-    load_per_core,
-    refuse_if_busy,
-    run_main,
-)
+from machine import add_output_args, quiet_start, run_main, write_result  # bench/machine.py
 
 from moelab.jobs.cli import add_ray_arguments, ray_options
 from moelab.ladder import heldout
@@ -60,8 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     names = args.only or sorted(p.stem for p in SPECS.glob("*.yaml"))
     specs = [load_spec(SPECS / f"{name}.yaml") for name in names]  # all checked before any runs
-    before = load_per_core()
-    refuse_if_busy(describe(before, before), args.force)
+    before = quiet_start(args.force)
     entries = []
     for spec in specs:
         report = run_ladder(spec, ray=args.ray, cpus=args.cpus_per_run, **ray_options(args))
@@ -72,9 +65,7 @@ def main() -> None:
                   f"[{s['interval']['low']:.4f}, {s['interval']['high']:.4f}], actual "
                   f"{s['actual']:.4f}: {s['relative_error']:+.2%}", flush=True)
     previous = json.loads(args.out.read_text()) if args.out.exists() else None
-    out = {**heldout.table(entries, previous), "machine": describe(before, load_per_core())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    out = write_result(args.out, heldout.table(entries, previous), before)
     cov = out["coverage"]
     print(f"coverage of the 90% intervals: {cov['measured']:.0%} of {cov['n']} "
           f"({cov['n_backtests']} backtests, {cov['n_targets']} stage ends) -> {args.out}")

@@ -15,10 +15,9 @@ refused as by the other benchmarks.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from machine import describe, load_per_core, refuse_if_busy, run_main  # bench/machine.py
+from machine import quiet_start, run_main, write_result  # bench/machine.py
 
 from moelab.ladder.runner import run_ladder
 from moelab.ladder.spec import load_spec
@@ -40,14 +39,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="run and write on a busy machine")
     args = parser.parse_args()
-    before = load_per_core()
-    refuse_if_busy(describe(before, before), args.force)
+    before = quiet_start(args.force)
     report = run_ladder(load_spec("staged"))
-    out = {**summary(report), "compute_ratio": report["compute_ratio"],
-           "preregistration_sha256": report["preregistration"]["sha256"],
-           "machine": describe(before, load_per_core())}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    out = write_result(RESULTS, {**summary(report), "compute_ratio": report["compute_ratio"],
+                                 "preregistration_sha256": report["preregistration"]["sha256"]},
+                       before)
     for s in out["stages"]:
         print(f"stage {s['name']} (step {s['end_step']}): predicted {s['predicted']:.4f} "
               f"[{s['interval']['low']:.4f}, {s['interval']['high']:.4f}], actual "

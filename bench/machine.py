@@ -15,6 +15,7 @@ refuse to run on an idle machine.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -146,6 +147,22 @@ def refuse_if_busy(machine: dict, force: bool) -> None:
         load = machine["load_per_core"]["before"]
         raise SystemExit(f"machine busy (load {load:.2f} per core > {BUSY_PER_CORE}): results "
                          "not written; rerun on an idle machine or pass --force")
+
+
+def quiet_start(force: bool) -> float:
+    """The machine's load before a long benchmark, which exits without running on a busy
+    machine unless `force` (refuse_if_busy); hand it to write_result at the end."""
+    before = load_per_core()
+    refuse_if_busy(describe(before, before), force)
+    return before
+
+
+def write_result(path: Path, result: dict, before: float) -> dict:
+    """`result` with the machine it ran on (its load `before` and now) as JSON at `path`."""
+    out = {**result, "machine": describe(before, load_per_core())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
 
 
 def timed(call) -> float:

@@ -24,18 +24,11 @@ widths, and `optimum_matrix_lr_power` fits the optimum's power in d_model over t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import numpy as np
-from machine import (  # bench/machine.py
-    add_output_args,
-    describe,
-    load_per_core,
-    refuse_if_busy,
-    run_main,
-)
+from machine import add_output_args, quiet_start, run_main, write_result  # bench/machine.py
 
 from moelab.config import Config, config_from_dict, config_to_dict
 from moelab.ladder.runner import ensure_trained
@@ -145,13 +138,10 @@ def main() -> None:
     add_output_args(parser, RESULTS)
     args = parser.parse_args()
     spec = load_spec(args.spec)
-    before = load_per_core()
-    refuse_if_busy(describe(before, before), args.force)
-    result = sweep(spec, args.steps, tuple(args.factors),
-                   args.runs or Path("runs/width_transfer") / spec.name, tuple(args.rung_widths))
-    out = {**result, "machine": describe(before, load_per_core())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    before = quiet_start(args.force)
+    out = write_result(args.out, sweep(spec, args.steps, tuple(args.factors),
+                                       args.runs or Path("runs/width_transfer") / spec.name,
+                                       tuple(args.rung_widths)), before)
     for w in out["widths"]:
         losses = ", ".join(f"x{r['factor']:g} {r['final_val_loss']:.4f}" for r in w["runs"])
         print(f"{w['role']} d_model {w['d_model']}: {losses}; optimum x{w['optimum_factor']:g} "
