@@ -146,15 +146,15 @@ def main() -> None:
                 runs.append(on_default_corpus(path))
             elif report is not None:
                 measured = decay(spec.name, report)
+                r = runs[-1]
                 reason = rung_residual_refusal(measured["relative_rmse"], measured["rmse"],
                                                measured["n_points"], spec.fit.max_rung_residual)
-                r = runs[-1]
                 reason = reason or interval_refusal(
                     {"value": r["predicted"], **r["interval"]}, spec.fit.confidence,
                     spec.fit.precision)
                 if reason:  # a check added after the record: it refuses today
-                    runs[-1]["refused_now"] = (f"{reason} (pre-registered before this check, "
-                                               "its result stands)")
+                    r["refused_now"] = (f"{reason} (pre-registered before this check, "
+                                        "its result stands)")
                 if spec.out.is_dir():
                     keep(spec, args.out.parent / spec.name)
             else:  # a measured-repetition spec not run: refused now, or not run yet

@@ -117,6 +117,11 @@ class FitOptions:
     precision: float | None = 0.02
 
 
+def run_tokens(config: Config) -> int:
+    """The tokens a run of `config` trains: steps x batch_size x seq_len."""
+    return config.train.steps * config.data.batch_size * config.data.seq_len
+
+
 @dataclass(frozen=True)
 class Rung:
     """One run of the ladder (a rung's replicate, a cooldown branch, an lr probe, the target)."""
@@ -129,8 +134,7 @@ class Rung:
 
     @property
     def tokens(self) -> int:
-        d = self.config.data
-        return self.config.train.steps * d.batch_size * d.seq_len
+        return run_tokens(self.config)
 
     @property
     def compute(self) -> float:
@@ -213,8 +217,7 @@ class Horizon:
     power: float
 
     def apply(self, config: Config) -> Config:
-        d = config.data
-        factor = (config.train.steps * d.batch_size * d.seq_len / self.tokens) ** -self.power
+        factor = (run_tokens(config) / self.tokens) ** -self.power
         return dataclasses.replace(config, optim=dataclasses.replace(
             config.optim, lr=config.optim.lr * factor))
 
@@ -381,17 +384,12 @@ def _fit_options(raw: Any) -> FitOptions:
     if options.noise_sd is not None and not (
             isinstance(options.noise_sd, int | float) and options.noise_sd > 0):
         raise ConfigError(f"fit.noise_sd: must be a number > 0, got {options.noise_sd!r}")
-    cap = options.max_rung_residual
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float)
-                            or not 0 < cap < 1):
-        raise ConfigError(f"fit.max_rung_residual: must be a fraction in (0, 1) or null, got "
-                          f"{cap!r}")
-    precision = options.precision
-    if precision is not None and (isinstance(precision, bool)
-                                  or not isinstance(precision, int | float)
-                                  or not 0 < precision < 1):
-        raise ConfigError(f"fit.precision: must be a fraction in (0, 1) or null, got "
-                          f"{precision!r}")
+    for key in ("max_rung_residual", "precision"):  # fractions of the loss, or no check
+        value = getattr(options, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not 0 < value < 1):
+            raise ConfigError(f"fit.{key}: must be a fraction in (0, 1) or null, got "
+                              f"{value!r}")
     return options
 
 
