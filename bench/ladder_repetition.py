@@ -44,15 +44,16 @@ from machine import run_main  # bench/machine.py
 from moelab.config import read_yaml
 from moelab.errors import UserError
 from moelab.ladder import repetition
-from moelab.ladder.predict import interval_refusal, rung_residual_refusal
+from moelab.ladder.fit import FitError
+from moelab.ladder.predict import forecast, interval_refusal, rung_residual_refusal
+from moelab.ladder.runner import finished_rungs
 from moelab.ladder.spec import LADDER_PRESETS, load_spec, spec_from_dict
 
 RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repetition.json"
 # the measured-repetition ladders, in the order they were written; the decay is the last
 # finished one's
-REPETITION_SPECS = [LADDER_PRESETS / "dev" / "repetition.yaml",
-                    LADDER_PRESETS / "dev" / "repetition_v2.yaml",
-                    LADDER_PRESETS / "dev" / "repetition_v3.yaml"]
+REPETITION_SPECS = [LADDER_PRESETS / "dev" / f"{name}.yaml" for name in
+                    ("repetition", "repetition_v2", "repetition_v3", "repetition_v4")]
 HELDOUT = LADDER_PRESETS / "heldout"
 HELDOUT_RESULTS = Path(__file__).parent / "results" / "ladder_heldout"
 DEFAULT_CORPUS = "runs/data/default"
@@ -106,6 +107,22 @@ def checked(spec) -> dict[str, Any]:
             "preregistration_sha256": None}
 
 
+def refused_after_rungs(spec, row_: dict[str, Any]) -> dict[str, Any]:
+    """`row_` refused with the pre-registration's one-line reason when every rung of `spec`
+    has trained and its forecast refuses the target (the law misses its rungs, or its
+    interval is too wide); unchanged while rungs are missing or the forecast stands."""
+    try:
+        results = finished_rungs(spec)
+    except UserError:  # rungs not trained yet
+        return row_
+    try:
+        forecast(spec, *results)
+    except FitError as err:
+        return {**row_, "refused": True, "reason": str(err),
+                "refused_after": f"its {len(results[0])} rungs trained"}
+    return row_
+
+
 def rung_residual(report: dict[str, Any]) -> float:
     """The measured law's residual sd on its rungs relative to their mean loss: what
     fit.max_rung_residual caps (a record written before the cap does not hold it)."""
@@ -147,18 +164,24 @@ def main() -> None:
             elif report is not None:
                 measured = decay(spec.name, report)
                 r = runs[-1]
-                reason = rung_residual_refusal(measured["relative_rmse"], measured["rmse"],
-                                               measured["n_points"], spec.fit.max_rung_residual)
-                reason = reason or interval_refusal(
-                    {"value": r["predicted"], **r["interval"]}, spec.fit.confidence,
-                    spec.fit.precision)
-                if reason:  # a check added after the record: it refuses today
-                    r["refused_now"] = (f"{reason} (pre-registered before this check, "
-                                        "its result stands)")
+                checks = {  # the pre-registration's checks on a measured law, in its order
+                    "max_rung_residual": rung_residual_refusal(
+                        measured["relative_rmse"], measured["rmse"], measured["n_points"],
+                        spec.fit.max_rung_residual),
+                    "precision": interval_refusal(
+                        {"value": r["predicted"], **r["interval"]}, spec.fit.confidence,
+                        spec.fit.precision)}
+                refusing = next((k for k, why in checks.items() if why), None)
+                if refusing and not r["refused"]:  # added after the record: refuses today
+                    r["refused_now"] = (f"{checks[refusing]} (pre-registered before this "
+                                        "check, its result stands)")
+                    r["refused_now_check"] = f"fit.{refusing}"
                 if spec.out.is_dir():
                     keep(spec, args.out.parent / spec.name)
-            else:  # a measured-repetition spec not run: refused now, or not run yet
+            else:  # a measured-repetition spec without a target: refused, or not run yet
                 refused = checked(spec)
+                if not refused["refused"]:
+                    refused = refused_after_rungs(spec, refused)
                 if refused["refused"]:
                     runs.append(refused)
                 else:

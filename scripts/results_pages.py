@@ -35,6 +35,9 @@ END = "<!-- /headline-results -->"
 MAX_ROWS = 40  # a table longer than this is cut, saying how many rows the JSON has
 MAX_COLS = 9
 MAX_DEPTH = 3
+REFUSED_NOW = {  # bench/ladder_repetition.py's refused_now_check: the check that refuses it today
+    "fit.max_rung_residual": "the law misses its own rungs by more than 2%",
+    "fit.precision": "its own interval too wide to hold 2%"}
 
 
 @dataclass
@@ -480,9 +483,7 @@ def repetition_rows(results: Path) -> list[list[str]]:
                      f"{r['predicted']:.4f} {interval(r['interval'])}", f"{r['actual']:.4f}",
                      f"{r['relative_error']:+.2%}"
                      + ("; refused today by a check added after it ran ("
-                        + ("the law misses its own rungs by more than 2%"
-                           if "misses its own" in r["refused_now"]
-                           else "its own interval too wide to hold 2%") + ")"
+                        + REFUSED_NOW[r["refused_now_check"]] + ")"
                         if r.get("refused_now") else ""),
                      f"repeated data: {r['passes_max']:.1f} passes"])
     moved = "held-out specs moved to the 1.8M-token default corpus"
@@ -494,7 +495,10 @@ def repetition_rows(results: Path) -> list[list[str]]:
     for label, refused in groups.items():
         rows.append([f"{label}, [ladder_repetition](bench/results/ladder_repetition/)", "",
                      f"{len(refused)} refused before any rung trained"
-                     if label == moved else "refused by a check added after its one run", "",
+                     if label == moved else
+                     f"refused at pre-registration after {refused[0]['refused_after']}"
+                     if refused[0].get("refused_after") else
+                     "refused by a check added after its one run", "",
                      "repeated data: " + ("targets" if len(refused) > 1 else "target") + " at "
                      + ", ".join(f"{r['passes_max']:.1f}" for r in refused) + " passes"])
     return rows
