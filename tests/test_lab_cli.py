@@ -160,3 +160,25 @@ def test_help_of_every_part_shows_each_default():
                 assert str(default) in text, f"{parser.prog} {action.option_strings}"
                 checked += 1
     assert checked >= 5  # lab serve alone has --host and --port
+
+
+def test_report_and_publish_never_overwrite_a_users_files(moelab, config, tmp_path):
+    moelab("new", "q", "--hypothesis", "h", "--config", str(config))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "summary.md").write_text("my notes")
+    (theirs / "index.html").write_text("my page")
+    for argv in (["report", "exp-1", "--out", str(theirs)], ["publish", str(theirs)]):
+        code, out, err = moelab(*argv)
+        assert code == 2 and "not empty and moelab did not make it" in err and not out
+    assert sorted(p.name for p in theirs.iterdir()) == ["index.html", "summary.md"]
+    assert (theirs / "summary.md").read_text() == "my notes"
+    for argv in (["report", "exp-1", "--out", "rep"], ["publish", "site"]):
+        assert moelab(*argv)[0] == 0
+        assert moelab(*argv)[0] == 0  # an earlier report or site of moelab's is rewritten
+    legacy = tmp_path / "old-report"  # written before reports were marked
+    legacy.mkdir()
+    for name in ("report.html", "summary.md"):
+        (legacy / name).write_text("old")
+    assert moelab("report", "exp-1", "--out", str(legacy))[0] == 0
+    assert (legacy / "summary.md").read_text() != "old"

@@ -176,23 +176,38 @@ def _predict(args: argparse.Namespace) -> None:
           + (f"run {args.run}" if args.run else f"the {args.rule} of its runs"))
 
 
+def _check_out(out: Path, flag: str, pages: tuple[str, ...]) -> None:
+    """Refuse, before the lab is read, an output directory holding what moelab did not
+    write (outputs.check_dir): a user's own summary.md or index.html is never overwritten.
+    One an earlier report or publish wrote is rewritten: it carries outputs.MARKER, or
+    (written before reports were marked) all of its `pages`."""
+    from moelab import outputs
+
+    legacy = all((out / name).is_file() for name in pages)
+    outputs.check_dir(out, flag=flag, ours=outputs.is_ours(out) or legacy)
+
+
 def _report(args: argparse.Namespace) -> None:
-    from moelab.errors import UserError
+    from moelab import outputs
     from moelab.lab.site import write_report
 
     out = args.out or Path("runs/reports") / args.id
-    if out.exists() and not out.is_dir():  # checked before reading the lab
-        raise UserError(f"--out {out} is a file, not a directory; pass a directory")
+    _check_out(out, "--out", ("report.html", "summary.md"))
     with _open(args, "ro") as store:
-        for path in write_report(store, args.id, out):
-            print(path)
+        paths = write_report(store, args.id, out)
+    outputs.mark(out, "lab report")
+    for path in paths:
+        print(path)
 
 
 def _publish(args: argparse.Namespace) -> None:
+    from moelab import outputs
     from moelab.lab.site import publish
 
+    _check_out(args.out, "OUT_DIR", ("index.html", "findings.html"))
     with _open(args, "ro") as store:
         pages = publish(store, args.out)
+    outputs.mark(args.out, "lab publish")
     print(f"wrote {len(pages)} pages to {args.out}; open {args.out / 'index.html'}")
 
 
