@@ -210,6 +210,15 @@ def test_corrupt_lab_gives_a_clear_message(tmp_path):
             Store(path, mode=mode)
 
 
+def test_a_lab_path_that_is_a_directory_or_under_a_file_is_refused(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="lab file .* is a directory"):
+        Store(tmp_path)  # sqlite's "unable to open database file" before
+    with pytest.raises(UserError, match="under .*afile, which is a file"):
+        Store(tmp_path / "afile" / "lab.sqlite")  # mkdir's FileExistsError before
+    assert (tmp_path / "afile").read_text() == "x"
+
+
 def test_foreign_sqlite_file_is_refused(tmp_path):
     path = tmp_path / "other.sqlite"
     with sqlite3.connect(path) as other:

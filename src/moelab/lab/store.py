@@ -30,6 +30,7 @@ from moelab.lab.records import (
     check_scoring,
     check_transition,
 )
+from moelab.outputs import check_file
 from moelab.schema import SchemaError, check
 
 SCHEMA_VERSION = 1
@@ -83,6 +84,8 @@ class Store:
         self.path = Path(path)
         if mode != "rwc" and not self.path.is_file():
             raise UserError(f"no lab database at {self.path}; create one with `moelab lab new`")
+        if mode == "rwc":  # a directory, or a path under a file: one line, not sqlite's error
+            check_file(self.path, "lab file")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         uri = f"{self.path.absolute().as_uri()}?mode={mode}"
         # isolation_level=None: transactions are exactly the ones _write opens.
