@@ -148,3 +148,21 @@ def test_attach_to_an_unwritable_run_leaves_no_lab_run_and_a_retry_makes_one(
     with Store(lab) as store:
         assert len(store.runs(exp)) == 1
     assert json.loads((root / "full" / "lab_run.json").read_text())["experiment"] == exp
+
+
+def test_export_force_replaces_an_earlier_export_never_another_commands_output(tmp_path):
+    from moelab.errors import UserError
+    from moelab.export.hf import check_out
+
+    results = tmp_path / "eval"  # what `moelab eval` wrote: marked, but not an export
+    outputs.mark(results, "eval")
+    (results / "bpb-step20.json").write_text("{}")
+    for force in (False, True):
+        with pytest.raises(UserError, match="holds what moelab eval wrote, not an earlier"):
+            check_out(results, force)
+    assert sorted(p.name for p in results.iterdir()) == [outputs.MARKER, "bpb-step20.json"]
+    export = tmp_path / "hf"
+    outputs.mark(export, "export", files={})
+    with pytest.raises(UserError, match="pass --force"):
+        check_out(export, False)
+    assert check_out(export, True) is True

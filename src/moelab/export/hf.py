@@ -270,11 +270,15 @@ def _tokenizer_files(tokenizer: Tokenizer, cfg: Config, chat_template: str | Non
 
 
 def check_out(out_dir: Path, force: bool) -> bool:
-    """Refuse an --out that export must not write (outputs.check_dir); True when it holds an
-    earlier export of moelab's that `force` replaces."""
+    """Refuse an --out that export must not write (outputs.check_dir), or that another
+    moelab command made; True when it holds an earlier export that `force` replaces."""
     from moelab import outputs
 
     replace = outputs.check_dir(out_dir, force)
+    made_by = outputs.marker(out_dir).get("made_by")
+    if replace and made_by != "moelab export":  # an eval's results, a report: not replaced
+        raise UserError(f"--out {out_dir} holds what {made_by or 'another moelab command'} "
+                        "wrote, not an earlier export; choose another --out")
     if replace and not force:
         raise UserError(f"--out {out_dir} holds an earlier export; pass --force to replace it, "
                         "or choose another --out")
