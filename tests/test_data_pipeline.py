@@ -138,6 +138,18 @@ def test_failed_or_interrupted_prepare_never_leaves_a_complete_looking_dataset(
         Loader(out)
 
 
+def test_a_finished_dataset_is_never_rebuilt_with_other_settings(tmp_path):
+    sources = {"docs": write_corpus(tmp_path, "src", 6, 200, seed=0)}
+    out = tmp_path / "data"
+    prepare(out, sources, **SMALL)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(UserError, match=r"prepared with other settings \(vocab_size\)"):
+        prepare(out, sources, **{**SMALL, "vocab_size": 400})
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    prepare(out, sources, **SMALL)  # the same settings: a rerun repeats it
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
 def _interrupted(pieces):
     yield next(iter(pieces))
     raise KeyboardInterrupt

@@ -184,6 +184,7 @@ def prepare(
                     long_files=long_files)
     if chat_tokens:  # only then: meta.json of a corpus without chat stays byte-identical
         settings["chat_tokens"] = True
+    _check_finished(Path(out_dir), settings)
     listing = hashlib.sha256("\n".join(f"{d.source}\t{d.path}\t{d.span}"
                                        for d in docs).encode())
     created = not Path(out_dir).exists()
@@ -211,6 +212,22 @@ def default_shard_docs(n_docs: int, workers: int | None) -> int:
         return SHARD_DOCS
     tasks = TASKS_PER_WORKER * (workers or os.cpu_count() or 1)
     return max(SHARD_DOCS, -(-n_docs // tasks))
+
+
+def _check_finished(out: Path, settings: dict) -> None:
+    """A finished dataset is prepared again only with its own settings (a rerun repeats
+    it): other settings would replace its streams and tokenizer under every run trained on
+    it, which then could not load. An unreadable meta.json is no dataset to keep."""
+    try:
+        old = json.loads((out / META_FILE).read_text()).get("settings")
+    except (OSError, ValueError, AttributeError):
+        return
+    new = json.loads(json.dumps(settings))  # as meta.json holds them: tuples as lists
+    if isinstance(old, dict) and old != new:
+        differ = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        raise UserError(f"{out} holds a dataset prepared with other settings ({', '.join(differ)}"
+                        f"), which runs trained on it need as it is; choose another --out, or "
+                        f"delete {out} to rebuild it")
 
 
 def _start_work(plan: stages.Plan, fingerprint: str) -> None:
