@@ -353,6 +353,9 @@ def test_quality_drops_are_counted_by_rule_and_thresholds_are_configurable(tmp_p
         quality.check_thresholds({"words": [1, 2]})
     with pytest.raises(UserError, match=r"must be \[min, max\]"):
         quality.check_thresholds({"word_count": [1]})
+    with pytest.raises(UserError, match="min 5 > max 1 would drop every document"):
+        quality.check_thresholds({"word_count": [5, 1]})
+    assert quality.check_thresholds({"word_count": [5, 5]})["word_count"] == (5, 5)
 
 
 # ---------------------------------------------------------------------------- ray

@@ -271,6 +271,7 @@ BAD_ARGS = [
     ["data", "prepare", "--out", "x", "--workers", "-1"],
     ["data", "prepare", "--out", "x", "--shard-docs", "0"],
     ["data", "prepare", "--out", "x", "--quality", "word_count=nan:"],
+    ["data", "prepare", "--out", "x", "--quality", "word_count=5:1"],
 ]
 
 

@@ -90,6 +90,9 @@ def check_thresholds(thresholds: Mapping) -> dict[str, tuple[float | None, float
                 b is None or isinstance(b, int | float) for b in bounds)):
             raise UserError(f"quality threshold {name} must be [min, max] (null = no bound), "
                             f"got {bounds!r}")
+        if None not in bounds and bounds[0] > bounds[1]:  # a typo that keeps no document
+            raise UserError(f"quality threshold {name}: min {bounds[0]} > max {bounds[1]} "
+                            "would drop every document; swap them")
         merged[name] = (bounds[0], bounds[1])
     return merged
 
