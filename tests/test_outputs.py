@@ -166,3 +166,18 @@ def test_export_force_replaces_an_earlier_export_never_another_commands_output(t
     with pytest.raises(UserError, match="pass --force"):
         check_out(export, False)
     assert check_out(export, True) is True
+
+
+def test_sft_set_never_overwrites_a_users_files(tmp_path, capsys, monkeypatch):
+    from moelab.data import sftset
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "train.jsonl").write_text("mine\n")
+    one_line_error(*cli(capsys, "data", "sft-set", "--out", theirs)[::2], "not empty")
+    assert [p.name for p in theirs.iterdir()] == ["train.jsonl"]
+    assert (theirs / "train.jsonl").read_text() == "mine\n"
+    monkeypatch.setattr(sftset, "man_pairs", lambda: [("What is ls?", "It lists.", "man:ls")])
+    monkeypatch.setattr(sftset, "docstring_pairs", lambda: [])
+    for _ in range(2):  # a set of its own is rewritten
+        assert cli(capsys, "data", "sft-set", "--out", tmp_path / "sft")[0] == 0

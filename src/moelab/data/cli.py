@@ -196,10 +196,11 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_sft_set(args: argparse.Namespace) -> int:
-    from moelab.data.sftset import build_sft_set
+    from moelab import outputs
+    from moelab.data.sftset import META, build_sft_set
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UserError(f"--out {args.out} is a file, not a directory; pass a directory")
+    out = Path(args.out)  # a set of its own is rewritten; a user's train.jsonl never
+    outputs.check_dir(out, ours=(out / META).is_file())
     meta = build_sft_set(args.out, args.val_fraction, args.max_examples)
     print(f"{args.out}: {meta['examples']['train']} train and {meta['examples']['val']} "
           f"held-out conversations ({meta['by_kind']})")
