@@ -264,3 +264,9 @@ def test_upcycle_cli_writes_a_run_with_lineage_that_trains(tmp_path, small_corpu
     # an MoE run is refused as a dense one, in one line
     assert main(["upcycle", str(out), "--experts", "8", "--top-k", "2",
                  "--out", str(tmp_path / "again")]) == 2
+    # a --set that changes a shape the dense weights fix is refused before anything is
+    # written (d_model raised a traceback; vocab_size wrote a checkpoint that never loads)
+    for override in ("model.vocab_size=1024", "model.d_model=64", "model.n_dense_layers=1"):
+        assert main(["upcycle", str(tmp_path / "dense"), "--experts", "4", "--top-k", "2",
+                     "--out", str(tmp_path / "bad"), "--set", override]) == 2
+    assert not (tmp_path / "bad").exists()

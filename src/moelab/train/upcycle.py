@@ -21,6 +21,7 @@ import jax
 
 from moelab.config import config_from_dict, config_to_dict, load_config, set_dotted
 from moelab.errors import UserError
+from moelab.model import Transformer
 from moelab.model.upcycle import dense_width, upcycle, upcycled_config
 from moelab.train.checkpoint import load_latest
 from moelab.train.rundir import (
@@ -52,11 +53,23 @@ def upcycle_run(dense_run: Path, out: Path, experts: int, top_k: int, step: int 
     for dotted, value in (overrides or {}).items():
         set_dotted(raw, dotted, value)
     new = config_from_dict(raw)
-    if new.model.d_ff != dense_width(dense) or new.moe.shared_expert:
+    if (new.model.d_ff != dense_width(dense) or new.moe.shared_expert
+            or new.model.n_dense_layers):
         raise UserError("upcycle: every expert is a copy of the dense FFN "
-                        f"(model.d_ff={dense_width(dense)}, moe.shared_expert=false); "
-                        "do not --set them")
+                        f"(model.d_ff={dense_width(dense)}, moe.shared_expert=false, "
+                        "model.n_dense_layers=0); do not --set them")
     model = upcycle(dense, new.model, new.moe, jax.random.key(seed), noise)
+    like = jax.eval_shape(lambda: Transformer.init(new.model, new.moe, jax.random.key(seed)))
+    leaves = zip(jax.tree.leaves(model), jax.tree.leaves(like), strict=False)
+    if (jax.tree.structure(model) != jax.tree.structure(like)
+            or any(a.shape != b.shape for a, b in leaves)):
+        # before anything is written: the checkpoint would not load with its own config
+        base = upcycled_config(m, dense_width(dense))
+        changed = [f"model.{f.name}" for f in dataclasses.fields(base)
+                   if getattr(base, f.name) != getattr(new.model, f.name)]
+        raise UserError(f"upcycle: --set {', '.join(changed) or 'of a model field'} changes the "
+                        "shape of weights copied from the dense run; set only fields that "
+                        "keep them (the new run's moe.*, train.*, optim.*)")
     with RunDirLock(out):
         trainer = Trainer(new, out)
         trainer.model = jax.tree.map(lambda a, like: jax.device_put(a, like.sharding),
