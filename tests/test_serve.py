@@ -201,6 +201,15 @@ def test_bad_requests_get_4xx_json(engine, url):
                    for path, body, status, words in cases]
         answers.append((http.post("/v1/completions", content=b"{not json",
                                   headers={"content-type": "application/json"}), 400, "JSON"))
+        # JSON may escape a lone surrogate, which no tokenizer encodes (a 500 before)
+        for path, body in [("/v1/completions", {"model": name, "prompt": "a\ud800"}),
+                           ("/v1/completions", {"model": name, "prompt": ["ok", "\udc80"]}),
+                           ("/v1/completions", {"model": name, "prompt": "a", "stop": "\ud800"}),
+                           ("/v1/chat/completions",
+                            {**chat, "messages": [{"role": "user", "content": "\ud800"}]})]:
+            answers.append((http.post(path, content=json.dumps(body),
+                                      headers={"content-type": "application/json"}),
+                            400, "not UTF-8 text"))
     for answer, status, words in answers:
         assert answer.status_code == status, answer.text
         error = answer.json()["error"]

@@ -7,11 +7,31 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+)
 
 MAX_STOPS = 4  # as OpenAI
 MAX_LOGPROBS = 5  # top log-probs per position on /v1/completions, as OpenAI's legacy API
 
+
+def _utf8(text: str) -> str:
+    """JSON may escape a lone surrogate ("\\ud800"), which no tokenizer can encode: a 400
+    naming it, not the tokenizer's TypeError as a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"not UTF-8 text (a lone surrogate at character {err.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 Seed = Annotated[StrictInt, Field(ge=0, le=2**32 - 1)]
@@ -34,7 +54,7 @@ class _Request(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, stop):
-        return [stop] if isinstance(stop, str) else list(stop or [])
+        return [_utf8(s) for s in ([stop] if isinstance(stop, str) else stop or [])]
 
 
 class CompletionRequest(_Request):
@@ -44,12 +64,20 @@ class CompletionRequest(_Request):
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
 
+    @field_validator("prompt")
+    @classmethod
+    def _text(cls, prompt):
+        for text in [prompt] if isinstance(prompt, str) else prompt:
+            if isinstance(text, str):
+                _utf8(text)
+        return prompt
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: str
-    content: str
+    role: Text
+    content: Text
     name: str | None = None  # accepted, unused
 
 
