@@ -219,6 +219,22 @@ def test_a_lab_path_that_is_a_directory_or_under_a_file_is_refused(tmp_path):
     assert (tmp_path / "afile").read_text() == "x"
 
 
+def test_a_run_attached_to_another_lab_is_refused_by_name(store, tmp_path):
+    """Resuming (train --experiment) or evaluating (eval longctx) a run whose lab_run.json
+    names a run this lab lacks: one line naming both, not sqlite's foreign-key error."""
+    from moelab.lab.sink import StoreLab
+
+    exp_id, run_id = running(store)
+    marker = tmp_path / "lab_run.json"
+    marker.write_text(f'{{"run_id": "{run_id}", "experiment": "{exp_id}"}}')
+    assert store.attached_run(marker) == run_id
+    marker.write_text('{"run_id": "run-9", "experiment": "exp-1"}')
+    with pytest.raises(UserError, match="names lab run 'run-9', which .*lab.sqlite does not"):
+        store.attached_run(marker)
+    with pytest.raises(UserError, match="attached to another lab"):
+        StoreLab().attach(tmp_path, exp_id, {}, None, None, lambda: ([], []), store.path)
+
+
 def test_foreign_sqlite_file_is_refused(tmp_path):
     path = tmp_path / "other.sqlite"
     with sqlite3.connect(path) as other:

@@ -262,7 +262,7 @@ def _log_to_lab(run_dir: Path, step: int, numbers: dict[str, float]) -> None:
         return
     from moelab.lab.store import Store, default_lab_path
 
-    run_id = json.loads(marker.read_text())["run_id"]
     store = Store(default_lab_path())
+    run_id = store.attached_run(marker)
     store.log_metrics(run_id, step, {k: v for k, v in numbers.items() if math.isfinite(v)})
     store.log_event(run_id, step, "longctx", f"long-context eval written to {RESULTS_FILE}")

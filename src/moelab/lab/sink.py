@@ -48,7 +48,7 @@ class StoreLab:
         store = Store(lab or default_lab_path())
         marker = run_dir / LAB_RUN_FILE
         if marker.exists():
-            return StoreRun(store, read_json(marker, {"run_id": str})["run_id"]), {}
+            return StoreRun(store, store.attached_run(marker)), {}
         changes = ({} if snapshot_change is None else
                    snapshot_changes(store, experiment, config, snapshot_change))
         # the run dir's record is written inside the store's transaction: a run dir that

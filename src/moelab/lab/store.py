@@ -31,7 +31,7 @@ from moelab.lab.records import (
     check_transition,
 )
 from moelab.outputs import check_file
-from moelab.schema import SchemaError, check
+from moelab.schema import SchemaError, check, read_json
 
 SCHEMA_VERSION = 1
 
@@ -208,6 +208,16 @@ class Store:
         if row is None:
             raise UserError(f"no run {run_id!r} in {self.path}")
         return _record(Run, row)
+
+    def attached_run(self, marker: Path) -> str:
+        """The lab run a run dir's lab_run.json (`marker`) names, which this lab must hold:
+        a run attached to another lab would fail each write on its foreign key."""
+        run_id = read_json(marker, {"run_id": str})["run_id"]
+        if self._db.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:
+            raise UserError(f"{marker} names lab run {run_id!r}, which {self.path} does not "
+                            "hold: the run was attached to another lab; point --lab or "
+                            "MOELAB_LAB at that lab")
+        return run_id
 
     def runs(self, exp_id: str) -> list[Run]:
         rows = self._db.execute(
