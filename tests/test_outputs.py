@@ -181,3 +181,21 @@ def test_sft_set_never_overwrites_a_users_files(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sftset, "docstring_pairs", lambda: [])
     for _ in range(2):  # a set of its own is rewritten
         assert cli(capsys, "data", "sft-set", "--out", tmp_path / "sft")[0] == 0
+
+
+def test_longctx_out_never_overwrites_a_file_it_did_not_write(tmp_path):
+    from moelab.errors import UserError
+    from moelab.eval import longctx
+
+    run = tmp_path / "run"  # refused before the run is read: it need not exist
+    config = tmp_path / "config.yaml"
+    config.write_text("model: {}\n")
+    earlier = tmp_path / "longctx.json"
+    earlier.write_text(json.dumps({"run_dir": "r", "step": 1, "original_length": 8}))
+    for theirs in (config, tmp_path / "notes.json"):
+        theirs.write_text(theirs.read_text() if theirs.exists() else '{"a": 1}')
+        with pytest.raises(UserError, match="is not an earlier output of this command"):
+            longctx.run(run, out=theirs)
+    assert config.read_text() == "model: {}\n"
+    with pytest.raises(UserError, match="no checkpoint"):  # accepted: then the run is read
+        longctx.run(run, out=earlier)

@@ -53,10 +53,14 @@ def is_ours(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def check_file(path: Path, flag: str = "--out") -> None:
-    """A single output file: not a directory, not under a file, its directory writable."""
+def check_file(path: Path, flag: str = "--out", ours: bool = True) -> None:
+    """A single output file: not a directory, not under a file, its directory writable;
+    an existing one only if `ours` (the caller recognised it as its own earlier output)."""
     if path.is_dir():
         raise UserError(f"{flag} {path} is a directory; pass a file path")
+    if path.exists() and not ours:
+        raise UserError(f"{flag} {path} exists and is not an earlier output of this "
+                        "command; choose a new path (nothing is overwritten)")
     if path.exists():
         if not os.access(path, os.W_OK):
             raise UserError(f"{flag} {path} is not writable; choose another path")

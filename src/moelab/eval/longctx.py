@@ -241,7 +241,7 @@ def run(run_dir: str | Path, original: int | None = None, max_multiple: int = 8,
     from moelab.train.checkpoint import load_latest
 
     path = Path(out) if out else Path(run_dir) / RESULTS_FILE
-    outputs.check_file(path)
+    outputs.check_file(path, ours=out is None or _is_result(path))  # never a user's file
     model, cfg, step = load_latest(run_dir)
     original = original or original_length(cfg)
     if original <= 0 or max_multiple < 1 or trials < 1:
@@ -251,6 +251,15 @@ def run(run_dir: str | Path, original: int | None = None, max_multiple: int = 8,
     path.write_text(json.dumps(result, indent=1) + "\n")
     _log_to_lab(Path(run_dir), step, summary(result))
     return result
+
+
+def _is_result(path: Path) -> bool:
+    """Whether `path` holds an earlier result of `run` (what a given --out may replace)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):  # missing, not text, not JSON
+        return False
+    return isinstance(record, dict) and {"run_dir", "step", "original_length"} <= record.keys()
 
 
 def _log_to_lab(run_dir: Path, step: int, numbers: dict[str, float]) -> None:
