@@ -46,6 +46,20 @@ def test_too_few_proxies_is_a_one_line_error(small_corpus, capsys):
     assert code == 2 and "\n" not in err and "--proxies must be >= 24" in err
 
 
+def test_an_out_that_is_a_file_or_someone_elses_is_refused_before_any_run(small_corpus,
+                                                                          tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "mine.txt").write_text("keep")
+    for out, words in ((tmp_path / "afile", "is a file"), (tmp_path / "theirs", "not empty")):
+        code = main(["data", "mix-search", "--out", str(out), "--set",
+                     f"data.path={small_corpus}", "--set", "model.vocab_size=512"])
+        err = capsys.readouterr().err.strip()  # FileExistsError's traceback for the file
+        assert code == 2 and "\n" not in err and words in err, err
+    assert (tmp_path / "afile").read_text() == "x"
+    assert [p.name for p in (tmp_path / "theirs").iterdir()] == ["mine.txt"]
+
+
 @pytest.mark.slow  # 24 proxies + 4 validation runs of a few steps (~2 min on 2 busy cores)
 def test_mix_search_end_to_end(small_corpus, tmp_path):
     code = main(["data", "mix-search", "--out", str(tmp_path), "--set",

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moelab import outputs
 from moelab.config import Config, data_dir
 from moelab.data.loader import CELL_PREFIX, Loader, cells_of, read_meta, resolve_mixture
 from moelab.errors import UserError
@@ -42,6 +43,7 @@ from moelab.jobs import Job, run_jobs
 
 MIN_PROXIES = 24
 TRUST = ("none", "proxies")  # mix_search's trust regions
+RESULT_FILE = "mix_search.json"
 RUNS_DIR = "runs"  # out/runs/<name>/: each proxy's and validation run's attempts (Ray)
 
 
@@ -200,7 +202,8 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
     if trust not in TRUST:
         raise UserError(f"--trust must be one of {list(TRUST)}, got {trust!r}")
     validate_steps = validate_steps or proxy_steps
-    out = Path(out).resolve()
+    out = Path(out).resolve()  # a file, someone else's directory: one line, before any run
+    outputs.check_dir(out, ours=(out / RESULT_FILE).is_file() or (out / RUNS_DIR).is_dir())
     out.mkdir(parents=True, exist_ok=True)
 
     def job(name: str, weights: np.ndarray, steps: int, run_seed: int) -> Job:
@@ -292,7 +295,7 @@ def mix_search(cfg: Config, out: str | Path, over: str = "sources", proxies: int
         "beats_baseline_beyond_noise": bool(diffs.mean() < -2 * paired_se),
         "runs": runs, "seconds": round(time.perf_counter() - started, 1),
     }
-    (out / "mix_search.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
