@@ -153,10 +153,10 @@ def test_an_interrupted_prepare_resumes_from_its_complete_tasks(tmp_path, monkey
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "reference")
 
     monkeypatch.setattr(stages, "train_on_sample", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(tmp_path / "out", sources, **settings)
+    with pytest.raises(KeyboardInterrupt):  # a new dir: a finished one keeps its settings
+        prepare(tmp_path / "out2", sources, **settings)
     monkeypatch.setattr(stages, "train_on_sample", real_train)
-    prepare(tmp_path / "out", sources, **{**settings, "min_chars": 60})
+    prepare(tmp_path / "out2", sources, **{**settings, "min_chars": 60})
     assert len(calls) == 75  # other settings: the stale stage outputs were not reused
 
 
