@@ -10,7 +10,7 @@ from conftest import tiny_config
 from test_ladder_passes import CODE, PROSE, fake_corpus, two_stage_spec
 
 from moelab.config import ConfigError, config_from_dict
-from moelab.data.loader import Loader, StagedLoader, read_meta, restrict
+from moelab.data.loader import SUBSET_PIECE, Loader, StagedLoader, read_meta, restrict, unique_subset
 from moelab.errors import UserError
 from moelab.ladder import repetition
 from moelab.ladder.spec import spec_from_dict
@@ -101,3 +101,36 @@ def test_a_limit_the_dataset_cannot_meet_is_one_line(small_corpus):
         Loader(small_corpus, unique_tokens={"prose": have + 1})
     with pytest.raises(UserError, match=r"names source\(s\) \['poetry'\]"):
         Loader(small_corpus, unique_tokens={"poetry": 1000})
+
+
+def test_a_spread_subset_spans_the_stream_and_reads_only_its_pieces(small_corpus):
+    """data.unique_sample: spread. On a stream of positions (np.arange), the subset holds
+    exactly K tokens (passes count against K either way) in contiguous pieces of about
+    SUBSET_PIECE, one at the start of each equal segment: the first at 0, the last in the
+    stream's last segment, where "first" never reaches. On a real corpus every prose row a
+    loader draws is a window of that subset."""
+    stream = np.arange(100 * SUBSET_PIECE)
+    k = 5 * SUBSET_PIECE
+    first, spread = unique_subset(stream, k, "first"), unique_subset(stream, k, "spread")
+    assert len(first) == len(spread) == k and first[-1] == k - 1
+    breaks = np.flatnonzero(np.diff(spread) != 1) + 1  # where one piece ends
+    starts = spread[np.concatenate([[0], breaks])]
+    np.testing.assert_array_equal(starts, np.arange(5) * 20 * SUBSET_PIECE)
+    assert np.all(np.diff(np.concatenate([breaks, [k]]), prepend=0) == SUBSET_PIECE)
+    assert unique_subset(stream, None, "spread") is stream
+    assert unique_subset(stream, len(stream) + 1, "spread") is stream
+
+    full = np.load(small_corpus / "prose.train.npy", mmap_mode="r")
+    k = len(full) // 3
+    assert k > 2 * SUBSET_PIECE  # so the subset is more than one piece
+    sub = unique_subset(full, k, "spread")
+    windows = {tuple(sub[w * 32:w * 32 + 33].tolist()) for w in range((len(sub) - 1) // 32)}
+    loader = Loader(small_corpus, "train", 32, 4, {"prose": 1}, seed=3,
+                    unique_tokens={"prose": k}, unique_sample="spread")
+    assert all(tuple(row.tolist()) in windows for step in range(20) for row in loader.batch(step))
+    assert not np.array_equal(sub, full[:k])
+
+
+def test_unique_sample_is_checked():
+    with pytest.raises(ConfigError, match="data.unique_sample"):
+        config_from_dict({"data": {"unique_sample": "random"}})

@@ -176,11 +176,17 @@ class DataConfig:
     # at most this many passes over each mixture component's train tokens in the run
     # (weights above the cap move to the other components); 0 = no cap
     max_epochs: float = 0.0
-    # source -> how many of its train tokens a run may read (the first ones): a fixed unique
-    # subset that a longer run passes over again, as in Muennighoff et al.'s repetition
-    # ladders (a source not named is read whole; {} = every token). Passes are counted
-    # against the subset; a mixture of {} still weighs sources by their full size.
+    # source -> how many of its train tokens a run may read (which ones: unique_sample): a
+    # fixed unique subset that a longer run passes over again, as in Muennighoff et al.'s
+    # repetition ladders (a source not named is read whole; {} = every token). Passes are
+    # counted against the subset; a mixture of {} still weighs sources by their full size.
     unique_tokens: dict[str, int] = field(default_factory=dict)
+    # which K tokens: "first" (the stream's first K, as every spec before repetition_v4's
+    # result read them) or "spread" (K in equal pieces at evenly spaced starts across the
+    # stream). A prefix is a few files, narrower than the corpus: at one pass, 195 steps on
+    # the first 400K tokens scored 0.75 nats worse than on 800K (bench/repetition_subset.py),
+    # which a repetition law then charges to repetition; "spread" keeps the subset's mix.
+    unique_sample: str = "first"
     # The first short_rows sequences of every batch are cut into windows of short_len
     # tokens that attend only within themselves: short-context data inside a long-context
     # batch (ProLong's mix; a stage's short_fraction sets both). 0 = none.
@@ -193,6 +199,7 @@ class DataConfig:
     conversations: str = ""
 
 
+UNIQUE_SAMPLES = ("first", "spread")  # data.unique_sample
 HOME_ENV = "MOELAB_HOME"
 
 
@@ -600,6 +607,8 @@ def validate(config: Config) -> None:
                  f"data.seq_len={d.seq_len} (one window), got {n!r}")
         _require(not source.startswith("cell:"), "data.unique_tokens",
                  f"{source}: names sources only, not cells")
+    _require(d.unique_sample in UNIQUE_SAMPLES, "data.unique_sample",
+             f"must be one of {list(UNIQUE_SAMPLES)}, got {d.unique_sample!r}")
     _require(not (d.unique_tokens and d.conversations), "data.unique_tokens",
              "limits the corpus's train tokens, which a run on data.conversations does not read")
     _require(0 <= d.short_rows <= d.batch_size, "data.short_rows",

@@ -69,6 +69,24 @@ def restrict(meta: dict, unique_tokens: dict[str, int] | None) -> dict:
             "train_tokens": {s: min(t, unique_tokens.get(s, t)) for s, t in full.items()}}
 
 
+SUBSET_PIECE = 4096  # tokens per piece of a spread subset: 32 windows of 128, a few files
+
+
+def unique_subset(stream: np.ndarray, k: int | None, how: str = "first") -> np.ndarray:
+    """The `k` train tokens of `stream` a run with data.unique_tokens reads: its first k
+    ("first"), or ("spread") k tokens in pieces of about SUBSET_PIECE, one at the start of
+    each of ceil(k / SUBSET_PIECE) equal segments of the stream, so the subset spans the
+    stream's files instead of its first few. `k` None or past the stream: all of it."""
+    if k is None or k >= len(stream):
+        return stream
+    if how == "first":
+        return stream[:k]
+    pieces = -(-k // SUBSET_PIECE)
+    sizes = np.diff(np.linspace(0, k, pieces + 1).round().astype(np.int64))
+    starts = np.arange(pieces, dtype=np.int64) * len(stream) // pieces
+    return np.concatenate([stream[a:a + n] for a, n in zip(starts, sizes, strict=True)])
+
+
 @dataclass(frozen=True)
 class Mixture:
     """A resolved mixture: its components (source names, or "cell:<domain>/<bucket>"),
@@ -248,6 +266,7 @@ class Loader(Batches):
         max_epochs: float | None = None,
         run_tokens: int | None = None,
         unique_tokens: dict[str, int] | None = None,
+        unique_sample: str = "first",
     ) -> None:
         if split not in SPLITS:
             raise UserError(f"split must be one of {SPLITS}, got {split!r}")
@@ -260,8 +279,8 @@ class Loader(Batches):
         self.components, self.weights = self.mixture.names, self.mixture.weights
         self.streams = [load_tokens(stream_path(data_dir, s, split), f"{split} stream of {s}")
                         for s in self.components]
-        if split == "train" and unique_tokens:  # the first tokens of each limited source
-            self.streams = [t[:unique_tokens.get(s, len(t))]
+        if split == "train" and unique_tokens:  # each limited source's subset
+            self.streams = [unique_subset(t, unique_tokens.get(s), unique_sample)
                             for s, t in zip(self.components, self.streams, strict=True)]
         vocab = self.meta["vocab_size"]
         for name, stream in zip(self.components, self.streams, strict=True):
@@ -328,13 +347,14 @@ class StagedLoader(Batches):
     """
 
     def __init__(self, data_dir: str | Path, stages: tuple, seed: int = 0,
-                 unique_tokens: dict[str, int] | None = None) -> None:
+                 unique_tokens: dict[str, int] | None = None,
+                 unique_sample: str = "first") -> None:
         self.meta = restrict(read_meta(data_dir), unique_tokens)
         self.sources: list[str] = list(self.meta["sources"])
         self.stages, self.seed, self.step = tuple(stages), seed, 0
         limit = unique_tokens or {}
-        self.streams = [np.load(shard_path(data_dir, s, "train"), mmap_mode="r")[:limit.get(s)]
-                        for s in self.sources]
+        self.streams = [unique_subset(np.load(shard_path(data_dir, s, "train"), mmap_mode="r"),
+                                      limit.get(s), unique_sample) for s in self.sources]
         self.weights = [mixture_weights(self.meta, "train", st.mixture) for st in self.stages]
         self.counts = [apportion(w, st.rows) for w, st in zip(self.weights, self.stages,
                                                               strict=True)]

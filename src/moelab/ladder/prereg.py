@@ -30,7 +30,7 @@ PREREG_SPEC = {"kind": str, "sha256": str, "rungs": [_RUN], "target": _RUN}
 # Config fields added after pre-registrations were written, with their defaults: a field
 # at its default is left out of the hash, so a ladder pre-registered before it still
 # matches its spec (resume, report). A value other than the default is hashed.
-ADDED_FIELDS = {("optim", "lr_width_power"): 1.0}
+ADDED_FIELDS = {("optim", "lr_width_power"): 1.0, ("data", "unique_sample"): "first"}
 
 
 def config_sha256(config: Config) -> str:

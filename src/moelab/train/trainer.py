@@ -149,12 +149,13 @@ class Trainer:
         self.plan = cfg.plan
         self.loader = Loader(data_dir, "train", d.seq_len, d.batch_size, d.mixture, d.seed,
                              d.max_epochs or None, cfg.train.steps * d.batch_size * d.seq_len,
-                             d.unique_tokens)
+                             d.unique_tokens, d.unique_sample)
         if d.mixture or d.max_epochs or d.unique_tokens:
             print(f"mixture: {self.loader.mixture.report()}")
         if self.plan.staged:
             check_sources(self.plan, self.loader.sources)
-            self.loader = StagedLoader(data_dir, self.plan.stages, d.seed, d.unique_tokens)
+            self.loader = StagedLoader(data_dir, self.plan.stages, d.seed, d.unique_tokens,
+                                       d.unique_sample)
         self.passes: list[dict] | None = None  # per stage, as moelab.data.passes counts
         if d.conversations:  # the plan still sets the LR and optimizer of each stage
             self.loader = ConversationLoader(data_dir, d.conversations, d.seq_len,
