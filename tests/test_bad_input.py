@@ -105,3 +105,19 @@ def test_a_model_too_big_for_memory_is_refused_before_allocation(write_config, t
     code, err = run_cli(capsys, "train", "--config", str(config), "--run-dir",
                         str(tmp_path / "run"))
     assert code == 2 and "GiB per device" in err and "model.d_model (65536)" in err, err
+
+
+def test_a_path_error_no_check_foresaw_is_one_line(tmp_path, capsys, monkeypatch):
+    """An OSError on a path that a command's own checks missed (here FileExistsError, a
+    mkdir where a file lies, as a race would leave it) ends in one line and exit 2."""
+    import errno
+
+    import moelab.cli
+
+    def mkdir_over_a_file(args):
+        raise FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "out"))
+
+    monkeypatch.setattr(moelab.cli, "resolve_run_dir", mkdir_over_a_file)
+    code, err = run_cli(capsys, "data", "stats", str(tmp_path))
+    assert code == 2 and "File exists" in err and "choose a path" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -148,6 +148,22 @@ def test_eval_bad_input_is_one_line(task_run, tmp_path, capsys):
         assert err.count("\n") == 1 and words in err, err
 
 
+def test_an_unknown_experiment_is_refused_before_anything_is_scored(task_run, tmp_path,
+                                                                    monkeypatch, capsys):
+    """eval tasks / bpb --experiment nope: one line, and no result file written (the lab is
+    checked before the minutes of scoring, not after)."""
+    from moelab.lab.store import Store
+
+    monkeypatch.setenv("MOELAB_LAB", str(tmp_path / "lab.sqlite"))
+    Store(tmp_path / "lab.sqlite").close()
+    for kind in ("tasks", "bpb"):
+        assert main(["eval", kind, str(task_run), "--out", str(tmp_path / "e"),
+                     "--experiment", "exp-nope"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "exp-nope" in err, err
+    assert not (tmp_path / "e").exists()  # refused before --out was made
+
+
 def test_ladder_downstream_states_whether_tasks_follow_the_loss(tmp_path, monkeypatch,
                                                                 small_corpus):
     """The ladder's downstream table and its rank-correlation verdict (the per-run task

@@ -80,6 +80,11 @@ def test_lab_predict_needs_a_run_or_a_rule_and_refuses_bad_input(lab, capsys):
         store.add_prediction(exp, "p", 2, 1, 3, {"run": "run-1", "rule": "best"})
     with Store(path) as store, pytest.raises(UserError, match="one of best, mean, last"):
         store.add_prediction(exp, "p", 2, 1, 3, {"rule": "median"})
+    code, _, err = moelab("predict", exp, "p", "--value", "2", "--low", "1", "--high", "3",
+                          "--rule", "best", "--metric", " ")  # never scorable, never changeable
+    assert code == 2 and err.count("\n") == 1 and "prediction metric" in err
+    with Store(path) as store:
+        assert store.predictions(exp) == []
 
 
 def test_multipliers_are_findings_with_intervals(lab):

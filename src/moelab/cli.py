@@ -36,7 +36,7 @@ PARTS = [
 
 # OS errors that mean "this path cannot be written", not a bug: one line, exit 2
 PATH_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
-               errno.ENAMETOOLONG)
+               errno.ENAMETOOLONG, errno.EEXIST)  # EEXIST: a mkdir where a file lies
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -104,6 +104,17 @@ def _write(out: Path, name: str, record: dict) -> Path:
     return path
 
 
+def _check_experiment(experiment: str | None) -> None:
+    """Before any evaluating: an --experiment the lab does not hold is one line now, not
+    after minutes of scoring."""
+    if not experiment:
+        return
+    from moelab.lab.store import Store, default_lab_path
+
+    with Store(default_lab_path(), "ro") as store:
+        store.get_experiment(experiment)  # a UserError naming it if unknown
+
+
 def _to_lab(experiment: str | None, run_dir: Path, cfg, step: int,
             metrics: dict[str, float]) -> None:
     """Log to the lab run of this run dir (a new run of the experiment if it has none)."""
@@ -130,6 +141,7 @@ def _tasks(args: argparse.Namespace) -> None:
 
     if args.items < 1:
         raise UserError(f"--items must be >= 1, got {args.items}")
+    _check_experiment(args.experiment)
     out = _out(args)
     model, cfg, step = _load(args.run_dir)
     available = task_names(data_dir(cfg.data.path))
@@ -155,6 +167,7 @@ def _tasks(args: argparse.Namespace) -> None:
 def _bpb(args: argparse.Namespace) -> None:
     from moelab.eval.bpb import whole_split_evaluator
 
+    _check_experiment(args.experiment)
     out = _out(args)
     model, cfg, step = _load(args.run_dir)
     _tokenizer(cfg, None)

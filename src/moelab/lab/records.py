@@ -93,13 +93,18 @@ SCORING_RULES = ("best", "mean", "last")
 
 
 def check_scoring(details: dict[str, Any]) -> None:
-    """A prediction names at most one of a run and a rule, and the rule is a known one."""
+    """A prediction names at most one of a run and a rule, the rule a known one, and a
+    metric that is not blank."""
     if "run" in details and "rule" in details:
         raise UserError(f"a prediction is scored on one run or by one rule, not both: got "
                         f"run {details['run']!r} and rule {details['rule']!r}")
     if "run" in details and not (isinstance(details["run"], str) and details["run"].strip()):
         raise UserError(f"prediction run: expected a run id or run directory, got "
                         f"{details['run']!r}")
+    if "metric" in details and not (isinstance(details["metric"], str)
+                                    and details["metric"].strip()):
+        raise UserError(f"prediction metric: expected the name of a logged metric (val_loss, "
+                        f"say), got {details['metric']!r}: it could never be scored")
     if "rule" in details and details["rule"] not in SCORING_RULES:
         raise UserError(f"prediction rule {details['rule']!r}: one of "
                         f"{', '.join(SCORING_RULES)}")
