@@ -67,9 +67,14 @@ def test_export_refuses_bad_outputs_and_force_replaces_only_its_own(root, capsys
     assert cli(capsys, "export", "full", "--out", root / "hf")[0] == 0
     assert outputs.is_ours(root / "hf")
     one_line_error(*cli(capsys, "export", "full", "--out", root / "hf")[::2], "--force")
-    (root / "hf" / "stale.txt").write_text("from before")
+    (root / "hf" / "NOTES.md").write_text("a user's notes beside the export")
+    one_line_error(*cli(capsys, "export", "full", "--out", root / "hf", "--force")[::2],
+                   "NOTES.md")  # --force replaces an export, never what a user added to it
+    assert (root / "hf" / "NOTES.md").read_text() == "a user's notes beside the export"
+    (root / "hf" / "NOTES.md").unlink()
+    (root / "hf" / "config.json").write_text("{}")  # an export's own file, changed
     assert cli(capsys, "export", "full", "--out", root / "hf", "--force")[0] == 0
-    assert not (root / "hf" / "stale.txt").exists()  # replaced whole: it was moelab's
+    assert json.loads((root / "hf" / "config.json").read_text())  # replaced whole
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []  # no temp
 
 

@@ -279,6 +279,15 @@ def check_out(out_dir: Path, force: bool) -> bool:
     if replace and made_by != "moelab export":  # an eval's results, a report: not replaced
         raise UserError(f"--out {out_dir} holds what {made_by or 'another moelab command'} "
                         "wrote, not an earlier export; choose another --out")
+    written = outputs.marker(out_dir).get("files")
+    if replace and isinstance(written, dict):  # an export's own files, nothing a user added
+        added = sorted(p.name for p in out_dir.iterdir()
+                       if p.name not in written and p.name != outputs.MARKER)
+        if added:
+            raise UserError(f"--out {out_dir} holds an earlier export and files it did not "
+                            f"write ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''})"
+                            "; move them out or choose another --out (--force replaces an "
+                            "export, never a user's files)")
     if replace and not force:
         raise UserError(f"--out {out_dir} holds an earlier export; pass --force to replace it, "
                         "or choose another --out")
