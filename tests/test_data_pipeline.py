@@ -136,6 +136,9 @@ def test_failed_or_interrupted_prepare_never_leaves_a_complete_looking_dataset(
     assert not list(out.glob(".*.tmp"))
     with pytest.raises(UserError, match="not a prepared dataset"):
         Loader(out)
+    (out.parent / "a_file").write_text("text")  # a file: named as one, no advice to prepare it
+    with pytest.raises(UserError, match="is a file, not a prepared dataset"):
+        Loader(out.parent / "a_file")
 
 
 def test_a_finished_dataset_is_never_rebuilt_with_other_settings(tmp_path):

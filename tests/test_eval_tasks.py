@@ -137,6 +137,7 @@ def test_eval_bad_input_is_one_line(task_run, tmp_path, capsys):
         (["eval", "tasks", str(task_run), "--tasks", "cont_nope"], "unknown"),
         (["eval", "tasks", str(tmp_path)], "no checkpoint"),
         (["eval", "tasks", str(tmp_path / "missing")], "not a run directory"),
+        (["eval", "bpb", str(task_run / "config.yaml")], "is a file, not a run directory"),
     ]
     other = train_tokenizer(["a completely different text " * 50], vocab_size=300)
     other.save(str(tmp_path / "other.json"))

@@ -32,6 +32,9 @@ VAL_SEED = 20240601  # val windows ignore the run's seed: every run is scored on
 def read_meta(data_dir: str | Path) -> dict:
     """The dataset's meta.json: vocab_size, eos_id, sources, train/val_tokens per source."""
     path = Path(data_dir) / META_FILE
+    if Path(data_dir).is_file():  # a file: `prepare --out` it would be refused too
+        raise UserError(f"{data_dir} is a file, not a prepared dataset (a directory that "
+                        "`moelab data prepare --out DIR` writes)")
     if not path.is_file():
         raise UserError(
             f"{data_dir} is not a prepared dataset (no {META_FILE}; an interrupted prepare "

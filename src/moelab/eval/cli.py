@@ -87,7 +87,11 @@ def _out(args: argparse.Namespace) -> Path:
     """The results directory, checked before any loading: RUN_DIR/eval is the run's own, a
     given --out must be new, empty or an earlier eval's (outputs.check_dir)."""
     from moelab import outputs
+    from moelab.errors import UserError
 
+    if args.out is None and args.run_dir.exists() and not args.run_dir.is_dir():
+        raise UserError(f"{args.run_dir} is a file, not a run directory; pass the directory "
+                        "`moelab train` wrote")  # not "--out FILE/eval", a flag never given
     out = args.out or args.run_dir / "eval"
     outputs.check_dir(out, ours=True if args.out is None else None)
     return out
