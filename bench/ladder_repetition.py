@@ -53,7 +53,8 @@ RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repe
 # the measured-repetition ladders, in the order they were written; the decay is the last
 # finished one's
 REPETITION_SPECS = [LADDER_PRESETS / "dev" / f"{name}.yaml" for name in
-                    ("repetition", "repetition_v2", "repetition_v3", "repetition_v4")]
+                    ("repetition", "repetition_v2", "repetition_v3", "repetition_v4",
+                     "repetition_v5")]
 HELDOUT = LADDER_PRESETS / "heldout"
 HELDOUT_RESULTS = Path(__file__).parent / "results" / "ladder_heldout"
 DEFAULT_CORPUS = "runs/data/default"
