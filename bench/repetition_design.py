@@ -25,7 +25,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 from machine import run_main  # bench/machine.py
 
 from moelab.ladder import repetition
@@ -47,7 +46,8 @@ def grid(widths, cells, extra=()):
 
 # the alternatives weighed for v4 (its target: d_model 224, 2.5 passes over 1.3M tokens)
 ALTERNATIVES = {
-    "v3 rungs plus width 96, no 4-pass rungs on 400K": grid((32, 48, 64, 96), V3_CELLS[:3] + V3_CELLS[4:]),
+    "v3 rungs plus width 96, no 4-pass rungs on 400K":
+        grid((32, 48, 64, 96), V3_CELLS[:3] + V3_CELLS[4:]),
     "v4 rungs plus 4-pass rungs on 400K at widths 32, 48":
         grid((32, 48, 64, 96, 128), V4_CELLS, [(32, 400e3, 4), (48, 400e3, 4)]),
     "v4 rungs without width 48": grid((32, 64, 96, 128), V4_CELLS),

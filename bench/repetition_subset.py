@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from machine import run_main  # bench/machine.py
@@ -90,4 +89,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    run_main(main)

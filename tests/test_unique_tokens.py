@@ -10,7 +10,14 @@ from conftest import tiny_config
 from test_ladder_passes import CODE, PROSE, fake_corpus, two_stage_spec
 
 from moelab.config import ConfigError, config_from_dict
-from moelab.data.loader import SUBSET_PIECE, Loader, StagedLoader, read_meta, restrict, unique_subset
+from moelab.data.loader import (
+    SUBSET_PIECE,
+    Loader,
+    StagedLoader,
+    read_meta,
+    restrict,
+    unique_subset,
+)
 from moelab.errors import UserError
 from moelab.ladder import repetition
 from moelab.ladder.spec import spec_from_dict

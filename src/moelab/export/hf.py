@@ -274,13 +274,15 @@ def check_out(out_dir: Path, force: bool) -> bool:
     moelab command made; True when it holds an earlier export that `force` replaces."""
     from moelab import outputs
 
-    replace = outputs.check_dir(out_dir, force)
-    made_by = outputs.marker(out_dir).get("made_by")
-    if replace and made_by != "moelab export":  # an eval's results, a report: not replaced
+    if not outputs.check_dir(out_dir, force):
+        return False
+    record = outputs.marker(out_dir)  # the earlier writer's: who, and which files
+    made_by = record.get("made_by")
+    if made_by != "moelab export":  # an eval's results, a report: not replaced
         raise UserError(f"--out {out_dir} holds what {made_by or 'another moelab command'} "
                         "wrote, not an earlier export; choose another --out")
-    written = outputs.marker(out_dir).get("files")
-    if replace and isinstance(written, dict):  # an export's own files, nothing a user added
+    written = record.get("files")
+    if isinstance(written, dict):  # an export's own files, nothing a user added
         added = sorted(p.name for p in out_dir.iterdir()
                        if p.name not in written and p.name != outputs.MARKER)
         if added:
@@ -288,10 +290,10 @@ def check_out(out_dir: Path, force: bool) -> bool:
                             f"write ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''})"
                             "; move them out or choose another --out (--force replaces an "
                             "export, never a user's files)")
-    if replace and not force:
+    if not force:
         raise UserError(f"--out {out_dir} holds an earlier export; pass --force to replace it, "
                         "or choose another --out")
-    return replace
+    return True
 
 
 def check_export(export_dir: Path) -> tuple[dict[str, Any], list[str]]:
