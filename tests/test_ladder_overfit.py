@@ -1,5 +1,6 @@
 """The repetition law that can rise (moelab.ladder.overfit), on synthetic rungs only."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -227,3 +228,67 @@ def test_measured_repetition_refuses_a_target_past_the_rungs_params_per_unique(
         if refused:
             assert "N/U" in reason and f"{target:.3g}" in reason and "\n" not in reason
             assert repetition.refusal({**rep, "accepted": True}) is None
+
+
+def test_misspecification_widens_the_measured_law_by_its_error_in_form(tmp_path,
+                                                                       monkeypatch):
+    """fit.misspecification with repetition: measured. Rungs and target on a law the
+    repetition law cannot express, its loss scaled by 1 + 2% ln(C / C_min): at the target,
+    ~10x past the top rung, the law fitted on the rungs misses by ~0.8%, far outside the
+    delta-method interval (parameter noise of 16 rungs at 0.004 nats). Refitted without its
+    top or bottom compute level, the law misses those by an error that grows with
+    distance; that rate, times the target's distance in ln C, widens the interval to cover
+    the target. On the law's own form the rate is several times smaller."""
+    spec, passes = _measuring_spec(tmp_path, misspecification=True, precision=None)
+    monkeypatch.setattr(repetition, "run_passes",
+                        lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
+    results, scale = _measured_results(spec, passes)
+    c0 = min(r.compute for r in spec.rungs)
+
+    def drifting(k: float):
+        out = []
+        for r in results:
+            loss = r.final_val_loss * (1 + k * np.log(r.compute / c0))
+            out.append(dataclasses.replace(r, final_val_loss=loss,
+                                           curve=[{"step": 1, "loss": loss}]))
+        return forecast(spec, out, [])["laws"]["repetition"]
+
+    t = spec.target
+    truth = (_true_loss(t.active_params, t.tokens, 6.0, *scale)
+             * (1 + 0.02 * np.log(t.compute / c0)))
+    law = drifting(0.02)
+    seed, wide = law["interval_seed"], law["interval"]
+    assert not seed["low"] <= truth <= seed["high"]  # the form error, outside
+    assert wide["low"] <= truth <= wide["high"]  # covered once it is counted
+    term = law["misspecification"]
+    assert term["distance_ln_compute"] == pytest.approx(
+        np.log(t.compute / max(r.compute for r in spec.rungs)))
+    assert {x["level"] for x in term["terms"]} == {0, max(b["level"] for b in law["backtest"])}
+    # the rungs on the law's own form: its extrapolating refits miss by their noise only
+    assert drifting(0.0)["misspecification"]["rate_per_ln_compute"] < \
+        term["rate_per_ln_compute"] / 3
+
+
+def test_a_measured_spec_on_prefix_subsets_is_warned(tmp_path, monkeypatch):
+    """Runs on the first data.unique_tokens of a source (a prefix, narrower than the
+    corpus) are named in one line for a measured spec; spread subsets, or a spec that does
+    not measure repetition, are not."""
+    spec, passes = _measuring_spec(tmp_path)
+    monkeypatch.setattr(repetition, "run_passes",
+                        lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
+    assert repetition.prefix_warning(repetition.repetition(spec)) is None  # no subsets
+
+    def with_subsets(sample: str, measured: str = "measured"):
+        subset, _ = _measuring_spec(tmp_path / sample / measured, repetition=measured)
+        runs = [dataclasses.replace(r, config=dataclasses.replace(
+            r.config, data=dataclasses.replace(r.config.data, unique_tokens={"prose": 1000},
+                                               unique_sample=sample)))
+                for r in subset.rungs]
+        return dataclasses.replace(subset, rungs=runs)
+
+    line = repetition.prefix_warning(repetition.repetition(with_subsets("first")))
+    assert line and "16 run(s)" in line and "unique_sample: spread" in line
+    assert "\n" not in line
+    assert repetition.prefix_warning(repetition.repetition(with_subsets("spread"))) is None
+    assert repetition.prefix_warning(
+        repetition.repetition(with_subsets("first", "muennighoff"))) is None

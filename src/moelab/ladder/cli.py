@@ -121,6 +121,9 @@ def _print_passes(spec) -> None:
     for name, stages in rep["runs"].items():
         for i, line in enumerate(passes_lines(stages)):
             print(f"{name if i == 0 else '':<16} {line}")
+    warning = repetition.prefix_warning(rep)
+    if warning:
+        print(f"warning: {warning}")
     reason = repetition.refusal(rep)
     if reason:
         print(f"pre-registration will refuse: {reason}")

@@ -249,12 +249,39 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
     target = spec.target
     target_passes = most_passes(target)
     iv = fit.interval(target.active_params, target.tokens, max(target_passes, 1e-9))
-    reason = interval_refusal(iv, options.confidence, options.precision)
+    out: dict[str, Any] = {"value": iv["value"], "interval": iv}
+    if options.misspecification:  # the law's error in form, as its own backtests show it
+        _widen_measured(out, rows, passes, spec.target.compute, relative, options.confidence)
+    reason = interval_refusal(out["interval"], options.confidence, options.precision)
     if reason:
         raise FitError(reason)
-    return {"value": iv["value"], "interval": iv,
-            "fit": {**fit.to_dict(), "passes": passes, "relative_rmse": relative},
+    return {**out, "fit": {**fit.to_dict(), "passes": passes, "relative_rmse": relative},
             "target_passes": target_passes}
+
+
+def _widen_measured(law: dict[str, Any], rows: list[dict[str, Any]], passes: list[float],
+                    target_compute: float, point_rel_sd: float, confidence: float) -> None:
+    """fit.misspecification with fit.repetition: measured. The delta-method interval counts
+    the parameters' noise, not how wrong the law's form is away from its rungs; the law is
+    refitted with each compute level of the rungs left out, and the extrapolating ones
+    (the lowest and the highest level, predicted from the rest) give its error per ln C,
+    which moelab.ladder.misspec adds in quadrature at the target's distance past the top
+    level, as it does for the other laws. point_rel_sd: the law's residual sd over the
+    rungs' mean loss (a held-out point's own noise, for the coverage)."""
+    n, d, y, c = (np.array([row[k] for row in rows], float)
+                  for k in ("active_params", "tokens", "mean", "compute"))
+    r = np.asarray(passes, float)
+    levels = compute_levels(c)
+
+    def fit_predict(keep: np.ndarray) -> np.ndarray:
+        refit = fit_overfit(n[keep], d[keep], r[keep], y[keep], confidence)
+        return refit.predict(n[~keep], d[~keep], r[~keep])
+
+    backtest = _backtest(levels, y, fit_predict)
+    distance = math.log(target_compute / float(c.max()))
+    misspec.widen(law, misspec.extrapolations(backtest, levels, c), distance, confidence,
+                  point_rel_sd)
+    law["backtest"] = backtest
 
 
 def _endpoint_laws(options, n, d, c, y, point_sd, seed_sd, target_at) -> dict[str, Any]:

@@ -101,7 +101,9 @@ class FitOptions:
     # own extrapolating backtests, scaled by the target's distance past the top compute
     # level (moelab.ladder.misspec), and the record states the backtests' coverage and
     # whether the laws disagree by more than the interval; `law: backtest` then picks the
-    # law with the smallest backtest error rate. false: seed noise only (specs before it)
+    # law with the smallest backtest error rate. With repetition: measured, the measured
+    # law's interval adds the same term from its own refits with each compute level left
+    # out (its error in form). false: seed noise only (specs before it)
     misspecification: bool = False
     # fit.repetition: measured only: the largest residual sd of the repetition law on its
     # own rungs, relative to their mean loss, at which the target is pre-registered. A law
