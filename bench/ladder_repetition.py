@@ -54,7 +54,7 @@ RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repe
 # finished one's
 REPETITION_SPECS = [LADDER_PRESETS / "dev" / f"{name}.yaml" for name in
                     ("repetition", "repetition_v2", "repetition_v3", "repetition_v4",
-                     "repetition_v5")]
+                     "repetition_v5", "repetition_v6")]
 HELDOUT = LADDER_PRESETS / "heldout"
 HELDOUT_RESULTS = Path(__file__).parent / "results" / "ladder_heldout"
 DEFAULT_CORPUS = "runs/data/default"
@@ -165,6 +165,8 @@ def main() -> None:
             elif report is not None:
                 measured = decay(spec.name, report)
                 r = runs[-1]
+                # first: prefixes of each source, narrower than the corpus (through v4)
+                r["unique_sample"] = spec.rungs[0].config.data.unique_sample
                 checks = {  # the pre-registration's checks on a measured law, in its order
                     "max_rung_residual": rung_residual_refusal(
                         measured["relative_rmse"], measured["rmse"], measured["n_points"],
