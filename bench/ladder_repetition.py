@@ -54,7 +54,7 @@ RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repe
 # finished one's
 REPETITION_SPECS = [LADDER_PRESETS / "dev" / f"{name}.yaml" for name in
                     ("repetition", "repetition_v2", "repetition_v3", "repetition_v4",
-                     "repetition_v5", "repetition_v6")]
+                     "repetition_v5", "repetition_v6", "repetition_v7")]
 HELDOUT = LADDER_PRESETS / "heldout"
 HELDOUT_RESULTS = Path(__file__).parent / "results" / "ladder_heldout"
 DEFAULT_CORPUS = "runs/data/default"
