@@ -8,6 +8,7 @@ import pytest
 from conftest import tiny_config
 
 from moelab.config import ConfigError
+from moelab.errors import UserError
 from moelab.ladder import repetition
 from moelab.ladder.fit import FitError
 from moelab.ladder.overfit import fit_overfit
@@ -269,26 +270,34 @@ def test_misspecification_widens_the_measured_law_by_its_error_in_form(tmp_path,
         term["rate_per_ln_compute"] / 3
 
 
-def test_a_measured_spec_on_prefix_subsets_is_warned(tmp_path, monkeypatch):
+def test_a_measured_spec_on_prefix_subsets_is_refused(tmp_path, monkeypatch):
     """Runs on the first data.unique_tokens of a source (a prefix, narrower than the
-    corpus) are named in one line for a measured spec; spread subsets, or a spec that does
-    not measure repetition, are not."""
+    corpus) refuse a measured spec in one line before any rung trains; spread subsets, a
+    spec that does not measure repetition, or fit.accept_repetition do not."""
     spec, passes = _measuring_spec(tmp_path)
     monkeypatch.setattr(repetition, "run_passes",
                         lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
-    assert repetition.prefix_warning(repetition.repetition(spec)) is None  # no subsets
+    assert repetition.refusal(repetition.repetition(spec)) is None  # no subsets
 
-    def with_subsets(sample: str, measured: str = "measured"):
-        subset, _ = _measuring_spec(tmp_path / sample / measured, repetition=measured)
+    def with_subsets(sample: str, measured: str = "measured", accept: bool = False):
+        subset, _ = _measuring_spec(tmp_path / sample / measured / str(accept),
+                                    repetition=measured, accept_repetition=accept)
         runs = [dataclasses.replace(r, config=dataclasses.replace(
             r.config, data=dataclasses.replace(r.config.data, unique_tokens={"prose": 1000},
                                                unique_sample=sample)))
                 for r in subset.rungs]
-        return dataclasses.replace(subset, rungs=runs)
+        return repetition.repetition(dataclasses.replace(subset, rungs=runs))
 
-    line = repetition.prefix_warning(repetition.repetition(with_subsets("first")))
+    prefix = with_subsets("first")
+    line = repetition.refusal(prefix)
     assert line and "16 run(s)" in line and "unique_sample: spread" in line
     assert "\n" not in line
-    assert repetition.prefix_warning(repetition.repetition(with_subsets("spread"))) is None
-    assert repetition.prefix_warning(
-        repetition.repetition(with_subsets("first", "muennighoff"))) is None
+    monkeypatch.setattr(repetition, "repetition", lambda spec: prefix)
+    with pytest.raises(UserError, match="on prefix subsets"):
+        repetition.check(spec)  # what `ladder run` calls before any rung trains
+    monkeypatch.undo()
+    monkeypatch.setattr(repetition, "run_passes",
+                        lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
+    assert repetition.prefix_refusal(with_subsets("spread")) is None
+    assert repetition.prefix_refusal(with_subsets("first", "muennighoff")) is None
+    assert repetition.prefix_refusal(with_subsets("first", accept=True)) is None

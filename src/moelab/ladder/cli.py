@@ -8,7 +8,6 @@ matplotlib with the fit and the plots.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from moelab.jobs.cli import add_ray_arguments, ray_options
@@ -122,9 +121,6 @@ def _print_passes(spec) -> None:
     for name, stages in rep["runs"].items():
         for i, line in enumerate(passes_lines(stages)):
             print(f"{name if i == 0 else '':<16} {line}")
-    warning = repetition.prefix_warning(rep)
-    if warning:
-        print(f"warning: {warning}")
     reason = repetition.refusal(rep)
     if reason:
         print(f"pre-registration will refuse: {reason}")
@@ -141,24 +137,8 @@ def _run(args: argparse.Namespace) -> None:
     options = ray_options(args)
     spec = _spec(args)
     check_ladder_run(spec, args.experiment)  # before the first rung trains
-    _warn_prefix(spec)
     outputs.mark(spec.out, "ladder run")
     run_ladder(spec, args.experiment, args.ray, cpus=args.cpus_per_run, **options)
-
-
-def _warn_prefix(spec) -> None:
-    """ladder run: the plan's one-line warning on prefix subsets, before rungs train."""
-    from moelab.errors import UserError
-    from moelab.ladder import repetition
-
-    if spec.fit.repetition != "measured":
-        return
-    try:
-        warning = repetition.prefix_warning(repetition.repetition(spec))
-    except UserError:  # data not prepared: the runner says so itself
-        return
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
 
 
 def _fit(args: argparse.Namespace) -> None:
