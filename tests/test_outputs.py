@@ -204,3 +204,31 @@ def test_longctx_out_never_overwrites_a_file_it_did_not_write(tmp_path):
     assert config.read_text() == "model: {}\n"
     with pytest.raises(UserError, match="no checkpoint"):  # accepted: then the run is read
         longctx.run(run, out=earlier)
+
+
+def test_another_commands_output_is_not_an_output_directory(root, capsys):
+    """A directory moelab marked is rewritten only by the command that made it: an
+    export given as another command's --out is refused in one line naming who made it,
+    before anything is loaded, and left as it was; an earlier eval's directory takes the
+    next eval."""
+    export = root / "exported"
+    outputs.mark(export, "export", files={})
+    (export / "config.json").write_text("{}")
+    spec = {"base": tiny_config("./data"), "seeds": [0, 1],
+            "rungs": [{"name": f"r{d}", "model": {"d_model": d}} for d in (16, 24, 32)],
+            "target": {"name": "big", "model": {"d_model": 32}, "train": {"steps": 400}},
+            "fit": {"law": "compute"}}
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    for argv in (["eval", "bpb", "full", "--out", export],
+                 ["eval", "tasks", "full", "--out", export],
+                 ["export", "verify", "--run-dir", "full", "--out", export],
+                 ["ladder", "run", "spec.yaml", "--out", export],
+                 ["lab", "report", "1", "--out", export],
+                 ["lab", "publish", export],
+                 ["upcycle", "full", "--experts", "4", "--top-k", "2", "--out", export]):
+        one_line_error(*cli(capsys, *argv)[::2], "moelab export", str(export))
+    assert sorted(p.name for p in export.iterdir()) == [outputs.MARKER, "config.json"]
+    earlier = root / "results"
+    outputs.mark(earlier, "eval")
+    (earlier / "bpb-step1.json").write_text("{}")
+    assert outputs.check_dir(earlier, made_by=("eval",)) is True

@@ -49,8 +49,12 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def is_ours(path: Path) -> bool:
-    return (path / MARKER).is_file()
+def is_ours(path: Path, made_by: tuple[str, ...] | None = None) -> bool:
+    """Whether moelab made the directory `path`; with `made_by`, one of those commands
+    (an export is not an eval's output directory, nor a ladder's)."""
+    if not (path / MARKER).is_file():
+        return False
+    return made_by is None or marker(path).get("made_by") in {f"moelab {c}" for c in made_by}
 
 
 def check_file(path: Path, flag: str = "--out", ours: bool = True) -> None:
@@ -69,10 +73,11 @@ def check_file(path: Path, flag: str = "--out", ours: bool = True) -> None:
 
 
 def check_dir(path: Path, force: bool = False, flag: str = "--out",
-              ours: bool | None = None) -> bool:
+              ours: bool | None = None, made_by: tuple[str, ...] | None = None) -> bool:
     """Refuse an output directory moelab must not write into; True when it exists with
-    content that the caller may replace (`force` and moelab's marker, or `ours`: the
-    caller's own outputs recognised another way, e.g. a run directory's `eval/`)."""
+    content that the caller may replace (`force` and moelab's marker, from one of the
+    commands `made_by` when given, or `ours`: the caller's own outputs recognised another
+    way, e.g. a run directory's `eval/`)."""
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file, not a directory; pass a directory")
     if not path.exists():
@@ -82,7 +87,12 @@ def check_dir(path: Path, force: bool = False, flag: str = "--out",
         raise UserError(f"{flag} {path} is not writable; choose another directory")
     if not any(path.iterdir()):
         return False
-    mine = is_ours(path) if ours is None else ours
+    mine = is_ours(path, made_by) if ours is None else ours
+    if not mine and is_ours(path):  # moelab's, but another command's output
+        made = marker(path).get("made_by") or "another moelab command"
+        raise UserError(f"{flag} {path} holds the output of {made}, not of moelab "
+                        f"{' / '.join(made_by or ())}; choose an empty or new directory "
+                        "(nothing is overwritten)")
     if not mine:
         raise UserError(f"{flag} {path} is not empty and moelab did not make it (no {MARKER} "
                         "in it); choose an empty or new directory"

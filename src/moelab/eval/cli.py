@@ -93,7 +93,7 @@ def _out(args: argparse.Namespace) -> Path:
         raise UserError(f"{args.run_dir} is a file, not a run directory; pass the directory "
                         "`moelab train` wrote")  # not "--out FILE/eval", a flag never given
     out = args.out or args.run_dir / "eval"
-    outputs.check_dir(out, ours=True if args.out is None else None)
+    outputs.check_dir(out, ours=True if args.out is None else None, made_by=("eval",))
     return out
 
 

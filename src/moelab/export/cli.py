@@ -206,7 +206,8 @@ def _verify(args: argparse.Namespace) -> int:
         raise UserError("vLLM is installed, but moelab's vLLM backend is not written yet (no "
                         "GPU here to test it); compare its prompt log-probs with golden.json")
     out = args.out or args.run_dir / "verify"
-    outputs.check_dir(out, ours=True if args.out is None else None)  # before any loading
+    outputs.check_dir(out, ours=True if args.out is None else None,  # before any loading
+                      made_by=("export verify",))
     if args.export is None and (out / "hf").exists() and not outputs.is_ours(out / "hf"):
         raise UserError(f"{out / 'hf'} was not made by moelab export (no {outputs.MARKER}); "
                         "move it away or choose another --out (verify exports into OUT/hf)")

@@ -176,15 +176,16 @@ def _predict(args: argparse.Namespace) -> None:
           + (f"run {args.run}" if args.run else f"the {args.rule} of its runs"))
 
 
-def _check_out(out: Path, flag: str, pages: tuple[str, ...]) -> None:
+def _check_out(out: Path, flag: str, pages: tuple[str, ...], command: str) -> None:
     """Refuse, before the lab is read, an output directory holding what moelab did not
     write (outputs.check_dir): a user's own summary.md or index.html is never overwritten.
-    One an earlier report or publish wrote is rewritten: it carries outputs.MARKER, or
-    (written before reports were marked) all of its `pages`."""
+    One an earlier run of the same `command` wrote is rewritten: it carries its
+    outputs.MARKER, or (written before reports were marked) all of its `pages`; another
+    command's output (an export, an eval) is refused."""
     from moelab import outputs
 
     legacy = all((out / name).is_file() for name in pages)
-    outputs.check_dir(out, flag=flag, ours=outputs.is_ours(out) or legacy)
+    outputs.check_dir(out, flag=flag, ours=True if legacy else None, made_by=(command,))
 
 
 def _report(args: argparse.Namespace) -> None:
@@ -192,7 +193,7 @@ def _report(args: argparse.Namespace) -> None:
     from moelab.lab.site import write_report
 
     out = args.out or Path("runs/reports") / args.id
-    _check_out(out, "--out", ("report.html", "summary.md"))
+    _check_out(out, "--out", ("report.html", "summary.md"), "lab report")
     with _open(args, "ro") as store:
         paths = write_report(store, args.id, out)
     outputs.mark(out, "lab report")
@@ -204,7 +205,7 @@ def _publish(args: argparse.Namespace) -> None:
     from moelab import outputs
     from moelab.lab.site import publish
 
-    _check_out(args.out, "OUT_DIR", ("index.html", "findings.html"))
+    _check_out(args.out, "OUT_DIR", ("index.html", "findings.html"), "lab publish")
     with _open(args, "ro") as store:
         pages = publish(store, args.out)
     outputs.mark(args.out, "lab publish")

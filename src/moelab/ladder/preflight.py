@@ -47,7 +47,7 @@ def check_ladder_run(spec: LadderSpec, experiment: str | None) -> None:
             store.get_experiment(experiment)  # a UserError naming it if unknown
     legacy = any((spec.out / r.name).is_dir() for r in spec.runs()) or (
         spec.out / PREREG_FILE).exists()  # a ladder directory from before the marker
-    outputs.check_dir(spec.out, ours=outputs.is_ours(spec.out) or legacy)
+    outputs.check_dir(spec.out, ours=True if legacy else None, made_by=("ladder run",))
 
 
 def _levels(spec: LadderSpec) -> int:

@@ -204,7 +204,8 @@ def run_upcycle(args: argparse.Namespace) -> int:
     from moelab import outputs
     from moelab.train.upcycle import upcycle_run
 
-    outputs.check_dir(args.out)  # a file, under a file, unwritable, someone else's: refused
+    # a file, under a file, unwritable, someone else's or another command's: refused
+    outputs.check_dir(args.out, made_by=("upcycle",))
     config = upcycle_run(args.dense_run, args.out, args.experts, args.top_k, args.step,
                          args.noise, args.seed, parse_overrides(args.set))
     print(f"upcycled {args.dense_run} into {args.out} ({args.experts} experts, top-"
