@@ -151,6 +151,16 @@ def test_a_finished_dataset_is_never_rebuilt_with_other_settings(tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     prepare(out, sources, **SMALL)  # the same settings: a rerun repeats it
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # the same settings, a source file edited since: refused once the files are read, the
+    # dataset (streams, tokenizer, meta, manifest) left as it was
+    manifest = sorted(p.read_bytes() for p in (out / "manifest").iterdir())
+    edited = tmp_path / "src" / "doc000.txt"
+    edited.write_text(edited.read_text() + " an edit")
+    with pytest.raises(UserError, match="prepared from other files than the sources hold"):
+        prepare(out, sources, **SMALL)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.read_bytes() for p in (out / "manifest").iterdir()) == manifest
+    assert not (out / ".stages").exists()
 
 
 def _interrupted(pieces):

@@ -269,6 +269,7 @@ def _run_stages(plan: stages.Plan, executor: Executor, val_fraction: float,
 def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
     """Token streams, tokenizer and manifest into out, meta.json last; then drop .stages."""
     work = Path(plan.work)
+    _check_same_documents(out, work)
     tokenizer = Tokenizer.from_file(str(work / TOKENIZER_FILE))
     (out / META_FILE).unlink(missing_ok=True)  # incomplete until the new meta lands
     sources = list(settings["sources"])
@@ -305,6 +306,25 @@ def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
     write_json(out / META_FILE, meta)
     shutil.rmtree(work)
     return meta
+
+
+def _check_same_documents(out: Path, work: Path) -> None:
+    """A finished dataset prepared again with its own settings is rewritten only from the
+    same input files (then byte for byte the same). Files edited, added or removed since
+    would replace its streams under every run trained on it: refused, the dataset left as
+    it was and this build's stage outputs dropped. (The settings are checked before any
+    work; the files' content is known once they are read.)"""
+    try:
+        old = json.loads((out / META_FILE).read_text()).get("content_sha256")
+    except (OSError, ValueError, AttributeError):
+        return
+    new = content_sha256(read_manifest(work))
+    if old is not None and old != new:
+        shutil.rmtree(work)
+        raise UserError(f"{out} holds a dataset prepared from other files than the sources "
+                        f"hold now (content sha256 {old[:12]} then, {new[:12]} now), which "
+                        f"runs trained on it need as it is; choose another --out, or delete "
+                        f"{out} to rebuild it")
 
 
 def held_out(sources: list[str]) -> dict:
