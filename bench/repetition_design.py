@@ -21,6 +21,7 @@ bench/results/repetition_design/repetition_design.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -30,11 +31,11 @@ from machine import run_main  # bench/machine.py
 from moelab.ladder import repetition
 from moelab.ladder.overfit import fit_overfit
 from moelab.ladder.spec import LADDER_PRESETS, load_spec
+from moelab.train.metrics import active_params
 
 HERE = Path(__file__).parent / "results"
 V3 = HERE / "ladder_repetition" / "repetition_v3" / "report.json"
 RESULTS = HERE / "repetition_design" / "repetition_design.json"
-ACTIVE = {32: 150016, 48: 238848, 64: 336896, 96: 560640, 128: 821248, 224: 1824256}
 # (unique tokens, passes) per data cell; a rung is (width, unique tokens, passes)
 V3_CELLS = [(800e3, 1), (400e3, 1), (400e3, 2), (400e3, 4), (200e3, 2), (200e3, 4)]
 V4_CELLS = [(800e3, 1), (400e3, 1), (400e3, 2), (200e3, 2), (200e3, 4)]
@@ -64,10 +65,18 @@ def spec_points(name: str):
         spec.target.compute / max(r.compute for r in spec.rungs)
 
 
+def active(width: int) -> int:
+    """Active parameters of repetition_v4's model at d_model = d_ff = width, as the ladder
+    counts them (moelab.train.metrics.active_params)."""
+    base = load_spec(LADDER_PRESETS / "dev" / "repetition_v4.yaml").rungs[0].config
+    model = dataclasses.replace(base.model, d_model=width, d_ff=width)
+    return active_params(dataclasses.replace(base, model=model))
+
+
 def grid_points(rungs, target):
-    rows = [(ACTIVE[w], u * p, p) for w, u, p in rungs]
+    rows = [(active(w), u * p, p) for w, u, p in rungs]
     tw, tu, tp = target
-    t = (ACTIVE[tw], tu * tp, tp)
+    t = (active(tw), tu * tp, tp)
     return np.array(rows, float), t, (t[0] * t[1]) / max(n * d for n, d, _ in rows)
 
 
