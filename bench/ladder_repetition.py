@@ -175,7 +175,7 @@ def main() -> None:
                         spec.fit.max_rung_residual),
                     "fit.precision": interval_refusal(
                         {"value": r["predicted"], **r["interval"]}, spec.fit.confidence,
-                        spec.fit.precision)}
+                        spec.fit.precision, spec.fit.precision_odds)}
                 refusing = next((k for k, why in checks.items() if why), None)
                 if refusing and not r["refused"]:  # added after the record: refuses today
                     r["refused_now"] = (f"{checks[refusing]} (pre-registered before this "

@@ -166,6 +166,13 @@ def test_precision_refuses_an_interval_too_wide_to_hold_it():
     assert interval_refusal({**at, "high": 3.0 * 1.05}, 0.9, 0.02)  # the larger side counts
     assert interval_refusal(v3, 0.9, None) is None
     assert interval_refusal(v3, 0.9, 0.07) is None
+    # fit.precision_odds 0.9 with a 90% interval: sd h / 1.645, 90% within 1.645 sd, so
+    # the half-width itself must be under 2%: 1.9% passes, 2.1% is refused naming the odds
+    strict = {"value": 3.0, "low": 3.0 * (1 - 0.019), "high": 3.0 * (1 + 0.01)}
+    assert interval_refusal(strict, 0.9, 0.02, odds=0.9) is None
+    reason = interval_refusal({**strict, "low": 3.0 * (1 - 0.021)}, 0.9, 0.02, odds=0.9)
+    assert reason and "within 2.1% only at 90% odds" in reason
+    assert interval_refusal({**strict, "low": 3.0 * (1 - 0.021)}, 0.9, 0.02) is None
 
 
 def test_measured_repetition_refuses_by_its_own_interval(tmp_path, monkeypatch):
@@ -187,6 +194,17 @@ def test_measured_repetition_refuses_by_its_own_interval(tmp_path, monkeypatch):
     assert forecast(off, results, [])["prediction"]["value"] == p["value"]
     with pytest.raises(ConfigError, match="fit.precision: must be a fraction"):
         _measuring_spec(tmp_path / "bad", precision=2)
+    for odds in (0, 1, True, "high"):
+        with pytest.raises(ConfigError, match="fit.precision_odds: must be a probability"):
+            _measuring_spec(tmp_path / "bad-odds", precision_odds=odds)
+    # fit.precision at 0.7 of the half-width: even odds lie within 0.41 of it (0.674 /
+    # 1.645), so it pre-registers; 90% odds need the whole half-width, so it is refused
+    even, _ = _measuring_spec(tmp_path / "even", precision=0.7 * half)
+    assert forecast(even, results, [])["prediction"]["value"] == p["value"]
+    strict, _ = _measuring_spec(tmp_path / "strict", precision=0.7 * half,
+                                precision_odds=0.9)
+    with pytest.raises(FitError, match="at 90% odds"):
+        forecast(strict, results, [])
 
 
 def test_measured_repetition_needs_enough_rungs_and_repeating_rungs(tmp_path):

@@ -207,23 +207,24 @@ def rung_residual_refusal(relative: float, rmse: float, n: int, cap: float | Non
 
 
 def interval_refusal(interval: dict[str, float], confidence: float,
-                     precision: float | None) -> str | None:
+                     precision: float | None, odds: float = 0.5) -> str | None:
     """The one-line reason fit.precision refuses a measured-repetition target whose own
-    `confidence` interval gives it less than even odds of landing within `precision` of
-    its value, or None. The interval is read as a normal one: its larger half-width over
-    z((1 + confidence) / 2) is the sd, and half the mass of a normal lies within z(0.75)
-    sd of its centre."""
+    `confidence` interval gives it less than `odds` (fit.precision_odds; 0.5, even odds,
+    by default) of landing within `precision` of its value, or None. The interval is read
+    as a normal one: its larger half-width over z((1 + confidence) / 2) is the sd, and a
+    normal holds `odds` of its mass within z((1 + odds) / 2) sd of its centre."""
     if precision is None:
         return None
     value = interval["value"]
     half = max(interval["high"] - value, value - interval["low"]) / abs(value)
     z = float(scipy.stats.norm.ppf((1 + confidence) / 2))
-    within = half / z * float(scipy.stats.norm.ppf(0.75))  # even odds within this
+    within = half / z * float(scipy.stats.norm.ppf((1 + odds) / 2))  # `odds` within this
     if within <= precision:
         return None
+    at = "even odds" if odds == 0.5 else f"{odds:.0%} odds"
     return (f"the repetition law's own {confidence:.0%} interval at the target is "
             f"[{interval['low']:.4g}, {interval['high']:.4g}] around {value:.4g} "
-            f"(+-{half:.1%}): by it the target lands within {within:.1%} only at even odds, "
+            f"(+-{half:.1%}): by it the target lands within {within:.1%} only at {at}, "
             f"wider than fit.precision {precision:.1%}; train repeating rungs nearer the "
             "target's N, D and passes, or raise fit.precision to pre-register anyway")
 
@@ -252,7 +253,8 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
     out: dict[str, Any] = {"value": iv["value"], "interval": iv}
     if options.misspecification:  # the law's error in form, as its own backtests show it
         _widen_measured(out, rows, passes, spec.target.compute, relative, options.confidence)
-    reason = interval_refusal(out["interval"], options.confidence, options.precision)
+    reason = interval_refusal(out["interval"], options.confidence, options.precision,
+                              options.precision_odds)
     if reason:
         raise FitError(reason)
     return {**out, "fit": {**fit.to_dict(), "passes": passes, "relative_rmse": relative},

@@ -117,6 +117,10 @@ class FitOptions:
     # z((1 + confidence) / 2), times z(0.75), above this fraction of the value), since the
     # law then says itself it cannot predict to that precision (null: no check)
     precision: float | None = 0.02
+    # fit.repetition: measured only: the odds the interval must give of landing within
+    # fit.precision (0.5: even odds, as since fit.precision was added; 0.9 with a 90%
+    # interval asks for a half-width under fit.precision itself)
+    precision_odds: float = 0.5
 
 
 def run_tokens(config: Config) -> int:
@@ -392,6 +396,9 @@ def _fit_options(raw: Any) -> FitOptions:
                                   or not 0 < value < 1):
             raise ConfigError(f"fit.{key}: must be a fraction in (0, 1) or null, got "
                               f"{value!r}")
+    odds = options.precision_odds
+    if isinstance(odds, bool) or not isinstance(odds, int | float) or not 0 < odds < 1:
+        raise ConfigError(f"fit.precision_odds: must be a probability in (0, 1), got {odds!r}")
     return options
 
 
