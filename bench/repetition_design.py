@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -65,10 +66,16 @@ def spec_points(name: str):
         spec.target.compute / max(r.compute for r in spec.rungs)
 
 
+@functools.cache
+def _v4_config():
+    return load_spec(LADDER_PRESETS / "dev" / "repetition_v4.yaml").rungs[0].config
+
+
+@functools.cache
 def active(width: int) -> int:
     """Active parameters of repetition_v4's model at d_model = d_ff = width, as the ladder
     counts them (moelab.train.metrics.active_params)."""
-    base = load_spec(LADDER_PRESETS / "dev" / "repetition_v4.yaml").rungs[0].config
+    base = _v4_config()
     model = dataclasses.replace(base.model, d_model=width, d_ff=width)
     return active_params(dataclasses.replace(base, model=model))
 

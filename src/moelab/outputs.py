@@ -90,9 +90,9 @@ def check_dir(path: Path, force: bool = False, flag: str = "--out",
     mine = is_ours(path, made_by) if ours is None else ours
     if not mine and is_ours(path):  # moelab's, but another command's output
         made = marker(path).get("made_by") or "another moelab command"
-        raise UserError(f"{flag} {path} holds the output of {made}, not of moelab "
-                        f"{' / '.join(made_by or ())}; choose an empty or new directory "
-                        "(nothing is overwritten)")
+        this = f"moelab {' / '.join(made_by)}" if made_by else "this command"
+        raise UserError(f"{flag} {path} holds what {made} wrote, not an earlier output of "
+                        f"{this}; choose an empty or new directory (nothing is overwritten)")
     if not mine:
         raise UserError(f"{flag} {path} is not empty and moelab did not make it (no {MARKER} "
                         "in it); choose an empty or new directory"

@@ -269,7 +269,7 @@ def _run_stages(plan: stages.Plan, executor: Executor, val_fraction: float,
 def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
     """Token streams, tokenizer and manifest into out, meta.json last; then drop .stages."""
     work = Path(plan.work)
-    _check_same_documents(out, work)
+    content = _check_same_documents(out, work)
     tokenizer = Tokenizer.from_file(str(work / TOKENIZER_FILE))
     (out / META_FILE).unlink(missing_ok=True)  # incomplete until the new meta lands
     sources = list(settings["sources"])
@@ -300,7 +300,7 @@ def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
         **{f"{split}_tokens": {s: totals[s, split] for s in sources} for split in SPLITS},
         "documents": {s: dict(counts[s]) for s in sources},
         "held_out": held_out(sources),
-        "content_sha256": content_sha256(read_manifest(out)),
+        "content_sha256": content,
         "settings": settings,
     }
     write_json(out / META_FILE, meta)
@@ -308,23 +308,25 @@ def write_dataset(out: Path, plan: stages.Plan, settings: dict) -> dict:
     return meta
 
 
-def _check_same_documents(out: Path, work: Path) -> None:
-    """A finished dataset prepared again with its own settings is rewritten only from the
-    same input files (then byte for byte the same). Files edited, added or removed since
-    would replace its streams under every run trained on it: refused, the dataset left as
-    it was and this build's stage outputs dropped. (The settings are checked before any
+def _check_same_documents(out: Path, work: Path) -> str:
+    """This build's content sha256 (of its input files, from the manifest in `work`). A
+    finished dataset prepared again with its own settings is rewritten only from the same
+    input files (then byte for byte the same). Files edited, added or removed since would
+    replace its streams under every run trained on it: refused, the dataset left as it
+    was and this build's stage outputs dropped. (The settings are checked before any
     work; the files' content is known once they are read.)"""
+    new = content_sha256(read_manifest(work))
     try:
         old = json.loads((out / META_FILE).read_text()).get("content_sha256")
     except (OSError, ValueError, AttributeError):
-        return
-    new = content_sha256(read_manifest(work))
+        return new
     if old is not None and old != new:
         shutil.rmtree(work)
         raise UserError(f"{out} holds a dataset prepared from other files than the sources "
                         f"hold now (content sha256 {old[:12]} then, {new[:12]} now), which "
                         f"runs trained on it need as it is; choose another --out, or delete "
                         f"{out} to rebuild it")
+    return new
 
 
 def held_out(sources: list[str]) -> dict:

@@ -274,14 +274,9 @@ def check_out(out_dir: Path, force: bool) -> bool:
     moelab command made; True when it holds an earlier export that `force` replaces."""
     from moelab import outputs
 
-    if not outputs.check_dir(out_dir, force):
+    if not outputs.check_dir(out_dir, force, made_by=("export",)):  # an eval's: refused
         return False
-    record = outputs.marker(out_dir)  # the earlier writer's: who, and which files
-    made_by = record.get("made_by")
-    if made_by != "moelab export":  # an eval's results, a report: not replaced
-        raise UserError(f"--out {out_dir} holds what {made_by or 'another moelab command'} "
-                        "wrote, not an earlier export; choose another --out")
-    written = record.get("files")
+    written = outputs.marker(out_dir).get("files")  # what the earlier export wrote
     if isinstance(written, dict):  # an export's own files, nothing a user added
         added = sorted(p.name for p in out_dir.iterdir()
                        if p.name not in written and p.name != outputs.MARKER)
