@@ -292,6 +292,18 @@ def test_set_without_run_dir_gets_its_own_run_dir():
         Path("runs/a-optim.lr=1e-3-train.steps=5")
 
 
+def test_a_config_file_passed_as_run_dir_is_refused(tmp_path, capsys, monkeypatch):
+    """`moelab train my.yaml` meant a config: a missing one must not become a run dir
+    named my.yaml (it trained there before), an existing one says to use --config."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "given.yaml").write_text("train: {steps: 2}\n")
+    assert main(["train", "missing.yaml"]) == 2
+    assert "named like a config file" in capsys.readouterr().err
+    assert not (tmp_path / "missing.yaml").exists()
+    assert main(["train", "given.yaml"]) == 2
+    assert "pass it as --config given.yaml" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------- full disk
 
 

@@ -118,6 +118,9 @@ def parse_parent(value: str | None, weights_only: bool):
     return Parent(Path(path), int(step) if step else None, weights_only)
 
 
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")  # RUN_DIR names refused as mistyped configs
+
+
 def run(args: argparse.Namespace) -> int:
     from moelab import outputs
     from moelab.config import load_config
@@ -129,8 +132,13 @@ def run(args: argparse.Namespace) -> int:
         args.config = str(own) if own is not None and own.is_file() else "tiny"
     cfg = load_config(config_path(args.config), parse_overrides(args.set))
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config, args.set)
+    config_like = bool(args.run_dir) and run_dir.suffix.lower() in CONFIG_SUFFIXES
     if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"RUN_DIR {run_dir} is a file, not a directory; pass a directory")
+        hint = f" (a config? pass it as --config {run_dir})" if config_like else ""
+        raise UserError(f"RUN_DIR {run_dir} is a file, not a directory; pass a directory{hint}")
+    if config_like and not run_dir.exists():  # a mistyped config would become a run dir
+        raise UserError(f"RUN_DIR {run_dir} does not exist and is named like a config file; "
+                        f"a config goes in --config, a new run dir needs another name")
     if run_dir.is_dir() and not outputs.writable(run_dir):
         raise UserError(f"RUN_DIR {run_dir} is not writable; choose another directory")
     if not run_dir.exists():
