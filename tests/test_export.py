@@ -133,6 +133,25 @@ def test_generation_stops_after_eos():
     assert generate(model, [5, 17], 12, eos_id=eos) == greedy[:greedy.index(eos) + 1]
 
 
+def test_streamed_text_holds_split_characters_and_stops_at_end_of_text(monkeypatch):
+    """`moelab generate` prints pieces as they are decoded: a byte-level tokenizer splits
+    "€" into three byte tokens, and no piece may show half of it (U+FFFD); the pieces
+    join to the decoded tokens, and the end-of-text token ends the text."""
+    from moelab.data.tokenizer import EOS, train_tokenizer
+    from moelab.export import generate as gen
+
+    tokenizer = train_tokenizer(["plain ascii text, nothing else\n"] * 20, 300)
+    ids = tokenizer.encode("price: 5 € and ü").ids
+    assert len(ids) > len("price: 5 € and ü") - 8  # bytes of the non-ASCII split apart
+    eos = tokenizer.token_to_id(EOS)
+    written = [*ids, eos, *tokenizer.encode("after the end").ids]
+    monkeypatch.setattr(gen, "iter_generate", lambda *args, **kw: iter(written))
+    pieces = list(gen.iter_text(None, tokenizer, "p", 99))
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids) == "price: 5 € and ü"
+    assert len(pieces) > 1  # streamed, not one piece at the end
+
+
 # ------------------------------------------------------------------------------------ CLI
 
 
@@ -172,6 +191,12 @@ def test_cli_exports_and_generates_from_a_run_dir(tmp_path, capsys, caplog):
     # orbax's read-only notices (one claims the checkpoint directory is read only) are noise
     assert not [r for r in caplog.records if r.name == "absl" and r.levelname == "WARNING"]
     assert exported.startswith("exported step 3") and generated.startswith("def")
+    seq_len = cfg.data.seq_len  # past the trained context: a note on stderr, text on stdout
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "def",
+                 "--max-new-tokens", str(seq_len), "--temperature", "0"]) == 0
+    streamed = capsys.readouterr()
+    assert "context the model trained on" in streamed.err
+    assert streamed.out.startswith(generated.rstrip("\n"))  # greedy: the same first tokens
     with pytest.raises(SystemExit) as refused:  # argparse's range check: usage error, exit 2
         main(["generate", "--run-dir", str(tmp_path / "run"), "--top-p", "2"])
     assert refused.value.code == 2

@@ -161,7 +161,7 @@ def _export(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> None:
     from moelab.data.tokenizer import load_tokenizer
     from moelab.errors import UserError
-    from moelab.export.generate import check_length_fits, check_sampling, generate_text
+    from moelab.export.generate import check_length_fits, check_sampling, iter_text
 
     check_sampling(args.temperature, args.top_p)
     if args.max_new_tokens < 0:
@@ -175,8 +175,16 @@ def _generate(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(data_dir(cfg.data.path))
     prompt = len(tokenizer.encode(args.prompt).ids) or 1  # '' starts with end-of-text
     check_length_fits(cfg, prompt + args.max_new_tokens, prompt)
-    print(args.prompt + generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
-                                      args.temperature, args.top_p, args.seed))
+    if prompt + args.max_new_tokens > cfg.data.seq_len:
+        print(f"note: {prompt} prompt + {args.max_new_tokens} new tokens run past the "
+              f"{cfg.data.seq_len}-token context the model trained on (data.seq_len); text "
+              "beyond it is out of what training saw", file=sys.stderr, flush=True)
+    # each piece as it is decoded: a long generation shows its progress
+    print(args.prompt, end="", flush=True)
+    for piece in iter_text(model, tokenizer, args.prompt, args.max_new_tokens,
+                           args.temperature, args.top_p, args.seed):
+        print(piece, end="", flush=True)
+    print()
 
 
 def _verify(args: argparse.Namespace) -> int:

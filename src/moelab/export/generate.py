@@ -184,7 +184,41 @@ def iter_generate(
         yield last
 
 
-def generate_text(
+class TextStream:
+    """Token ids in, text out, piece by piece: a piece is released only once no stop string
+    can still begin in it and its last character is complete (byte-level tokens can split
+    a UTF-8 character, which decodes as U+FFFD until its last byte arrives)."""
+
+    def __init__(self, decode, stops: list[str] | None):
+        self._decode, self._stops = decode, [s for s in stops or () if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""  # everything released so far
+        self.stopped = False  # a stop string was met; no more text follows
+
+    def push(self, token: int) -> str:
+        """The new text that token releases ('' if none yet)."""
+        self.ids.append(token)
+        full = self._decode(self.ids)
+        cuts = [i for s in self._stops if (i := full.find(s, max(len(self.text) - len(s), 0))) >= 0]
+        if cuts:
+            self.stopped = True
+            return self._release(full[: min(cuts)])
+        end = len(full) - self._hold
+        while end > len(self.text) and full[end - 1] == "\ufffd":
+            end -= 1
+        return self._release(full[:end]) if end > len(self.text) else ""
+
+    def finish(self) -> str:
+        """What was held back, once decoding has ended without a stop string."""
+        return "" if self.stopped else self._release(self._decode(self.ids))
+
+    def _release(self, upto: str) -> str:
+        piece, self.text = upto[len(self.text):], upto
+        return piece
+
+
+def iter_text(
     model: Transformer,
     tokenizer: Tokenizer,
     prompt: str,
@@ -192,14 +226,21 @@ def generate_text(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-) -> str:
-    """The text the model writes after `prompt`. An empty prompt starts a new document
-    (the end-of-text token, which separates documents in training)."""
+) -> Iterator[str]:
+    """The text the model writes after `prompt`, piece by piece as it is decoded (a piece
+    waits for the last byte of a split UTF-8 character). An empty prompt starts a new
+    document (the end-of-text token, which separates documents in training); the
+    end-of-text token the model writes ends the text and is not part of it."""
     from moelab.data.tokenizer import EOS
 
     eos_id = tokenizer.token_to_id(EOS)
     prompt_ids = tokenizer.encode(prompt).ids or ([eos_id] if eos_id is not None else [])
-    new = generate(model, prompt_ids, max_new_tokens, temperature, top_p, seed, eos_id)
-    if new and new[-1] == eos_id:
-        new = new[:-1]
-    return tokenizer.decode(new)
+    stream = TextStream(tokenizer.decode, None)
+    for token in iter_generate(model, prompt_ids, max_new_tokens, temperature, top_p, seed,
+                               eos_id):
+        if token == eos_id:
+            break
+        if piece := stream.push(token):
+            yield piece
+    if rest := stream.finish():
+        yield rest

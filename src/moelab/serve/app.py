@@ -30,7 +30,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from moelab.errors import UserError
-from moelab.serve.engine import Engine, TextStream
+from moelab.export.generate import TextStream
+from moelab.serve.engine import Engine
 from moelab.serve.protocol import ChatRequest, CompletionRequest
 
 log = logging.getLogger("moelab.serve")

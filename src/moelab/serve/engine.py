@@ -27,40 +27,6 @@ class Scores:
     top: list[list[tuple[int, float]] | None]
 
 
-class TextStream:
-    """Token ids in, text out, piece by piece: a piece is released only once no stop string
-    can still begin in it and its last character is complete (byte-level tokens can split
-    a UTF-8 character, which decodes as U+FFFD until its last byte arrives)."""
-
-    def __init__(self, decode, stops: list[str] | None):
-        self._decode, self._stops = decode, [s for s in stops or () if s]
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""  # everything released so far
-        self.stopped = False  # a stop string was met; no more text follows
-
-    def push(self, token: int) -> str:
-        """The new text that token releases ('' if none yet)."""
-        self.ids.append(token)
-        full = self._decode(self.ids)
-        cuts = [i for s in self._stops if (i := full.find(s, max(len(self.text) - len(s), 0))) >= 0]
-        if cuts:
-            self.stopped = True
-            return self._release(full[: min(cuts)])
-        end = len(full) - self._hold
-        while end > len(self.text) and full[end - 1] == "\ufffd":
-            end -= 1
-        return self._release(full[:end]) if end > len(self.text) else ""
-
-    def finish(self) -> str:
-        """What was held back, once decoding has ended without a stop string."""
-        return "" if self.stopped else self._release(self._decode(self.ids))
-
-    def _release(self, upto: str) -> str:
-        piece, self.text = upto[len(self.text):], upto
-        return piece
-
-
 class Engine:
     """One run's model, served. `context` is the longest sequence a request may use
     (prompt + max_tokens): the sequence length the checkpoint's stage trained at."""
