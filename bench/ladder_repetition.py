@@ -46,6 +46,7 @@ from moelab.errors import UserError
 from moelab.ladder import repetition
 from moelab.ladder.fit import FitError
 from moelab.ladder.predict import forecast, interval_refusal, rung_residual_refusal
+from moelab.ladder.prereg import REFUSAL_FILE
 from moelab.ladder.runner import finished_rungs
 from moelab.ladder.spec import LADDER_PRESETS, load_spec, spec_from_dict
 
@@ -54,7 +55,7 @@ RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repe
 # finished one's
 REPETITION_SPECS = [LADDER_PRESETS / "dev" / f"{name}.yaml" for name in
                     ("repetition", "repetition_v2", "repetition_v3", "repetition_v4",
-                     "repetition_v5", "repetition_v6", "repetition_v7")]
+                     "repetition_v5", "repetition_v6", "repetition_v7", "repetition_v8")]
 HELDOUT = LADDER_PRESETS / "heldout"
 HELDOUT_RESULTS = Path(__file__).parent / "results" / "ladder_heldout"
 DEFAULT_CORPUS = "runs/data/default"
@@ -108,10 +109,20 @@ def checked(spec) -> dict[str, Any]:
             "preregistration_sha256": None}
 
 
-def refused_after_rungs(spec, row_: dict[str, Any]) -> dict[str, Any]:
+def refused_after_rungs(spec, row_: dict[str, Any], kept: Path) -> dict[str, Any]:
     """`row_` refused with the pre-registration's one-line reason when every rung of `spec`
     has trained and its forecast refuses the target (the law misses its rungs, or its
-    interval is too wide); unchanged while rungs are missing or the forecast stands."""
+    interval is too wide): from the ladder's refusal.json (in its run directory, else the
+    copy in its study folder `kept`, for a fresh checkout), else by refitting its trained
+    rungs; unchanged while rungs are missing or the forecast stands."""
+    for path in (spec.out / REFUSAL_FILE, kept / spec.name / REFUSAL_FILE):
+        if path.is_file():
+            record = json.loads(path.read_text())
+            if spec.out.is_dir():
+                keep(spec, kept / spec.name)
+            return {**row_, "refused": True, "reason": record["reason"],
+                    "refused_after": f"its {len(record['rungs'])} rungs trained",
+                    "refusal_created_at": record["created_at"]}
     try:
         results = finished_rungs(spec)
     except UserError:  # rungs not trained yet
@@ -187,7 +198,7 @@ def main() -> None:
             else:  # a measured-repetition spec without a target: refused, or not run yet
                 refused = checked(spec)
                 if not refused["refused"]:
-                    refused = refused_after_rungs(spec, refused)
+                    refused = refused_after_rungs(spec, refused, args.out.parent)
                 if refused["refused"]:
                     runs.append(refused)
                 else:

@@ -207,6 +207,34 @@ def test_measured_repetition_refuses_by_its_own_interval(tmp_path, monkeypatch):
         forecast(strict, results, [])
 
 
+def test_a_refused_preregistration_keeps_its_reason_and_rungs(tmp_path, monkeypatch):
+    """A refusal is a ladder's result: `ladder run` writes <out>/refusal.json with the
+    one-line reason and the rung losses it was decided on (a fresh checkout has no runs/,
+    so without it a refused spec leaves nothing to show), and `ladder report` names it."""
+    from moelab.ladder import prereg, runner
+
+    spec, passes = _measuring_spec(tmp_path)
+    monkeypatch.setattr(repetition, "run_passes",
+                        lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
+    monkeypatch.setattr(repetition, "check", lambda spec: {"target_max": 6.0})
+    monkeypatch.setattr(repetition, "corpus", lambda spec: {"content_sha256": "c0ffee"})
+    results, _ = _measured_results(spec, passes)
+    tight = dataclasses.replace(spec, fit=dataclasses.replace(spec.fit, precision=1e-4))
+    with pytest.raises(FitError, match="fit.precision") as err:
+        runner.preregister(tight, results, [])
+    kept = json.loads((spec.out / prereg.REFUSAL_FILE).read_text())
+    assert kept["kind"] == prereg.REFUSAL_KIND and kept["reason"] == str(err.value)
+    assert [r["final_val_loss"] for r in kept["rungs"]] == [r.final_val_loss for r in results]
+    assert kept["fit_options"]["precision"] == 1e-4 and kept["corpus"]["content_sha256"]
+    assert not (spec.out / prereg.PREREG_FILE).exists()
+    with pytest.raises(UserError, match="the target was refused .*fit.precision"):
+        runner.read_preregistration(tight)
+    # a spec that lifts the check pre-registers; the refusal stays as what was refused first
+    record = runner.preregister(spec, results, [])
+    assert record["prediction"]["law"] == "repetition"
+    assert (spec.out / prereg.REFUSAL_FILE).is_file()
+
+
 def test_measured_repetition_needs_enough_rungs_and_repeating_rungs(tmp_path):
     raw = {"base": tiny_config(tmp_path / "data"),
            "rungs": [{"train": {"steps": s}} for s in (10, 20, 40)],

@@ -11,6 +11,9 @@ done, and never touches their files.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import time
 from typing import Any
 
@@ -18,6 +21,7 @@ from moelab.config import config_to_dict
 from moelab.errors import UserError
 from moelab.jobs import Job, run_jobs
 from moelab.ladder import preflight, prereg, repetition
+from moelab.ladder.fit import FitError
 from moelab.ladder.predict import forecast
 from moelab.ladder.report import write_report
 from moelab.ladder.results import (
@@ -92,9 +96,14 @@ def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[Run
                             "Delete the target's directory to train it afresh")
         by_name = {r.name: r for r in [*results, *lr_results]}
         passes = repetition.check(spec)  # refuses a target past the rungs' repetition
+        try:
+            content = forecast(spec, results, lr_results)
+        except FitError as err:  # a refusal is a result too: kept beside the rungs
+            write_refusal(spec, results, str(err), hashes, passes)
+            raise
         record = {
             "kind": prereg.KIND, "ladder": spec.name, "created_at": prereg.utc_now(),
-            **forecast(spec, results, lr_results),
+            **content,
             "rungs": [{**rung.summary(), **by_name[rung.name].to_dict(),
                        "config": config_to_dict(rung.config),
                        "config_sha256": hashes[rung.name]}
@@ -121,10 +130,37 @@ def config_hashes(spec: LadderSpec) -> dict[str, str]:
     return {r.name: prereg.config_sha256(r.config) for r in spec.runs()}
 
 
+def write_refusal(spec: LadderSpec, results: list[RunResult], reason: str,
+                  hashes: dict[str, str], passes: dict[str, Any]) -> None:
+    """<out>/refusal.json: the pre-registration's one-line reason for refusing the target,
+    with the rung losses, fit options, code and corpus it was decided on (replaced by the
+    latest refusal; a pre-registration written later, with other fit options, leaves it as
+    the record of what was refused first)."""
+    record = {"kind": prereg.REFUSAL_KIND, "ladder": spec.name,
+              "created_at": prereg.utc_now(), "reason": reason,
+              "fit_options": dataclasses.asdict(spec.fit),
+              "rungs": [{**rung.summary(), **res.to_dict(), "config_sha256": hashes[rung.name]}
+                        for rung, res in zip(spec.rungs, results, strict=True)],
+              "target": {**spec.target.summary(), "config_sha256": hashes[spec.target.name]},
+              "code_version": prereg.code_version(), "corpus": repetition.corpus(spec),
+              "passes": passes}
+    path = spec.out / prereg.REFUSAL_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+    print(f"[ladder {spec.name}] refused at pre-registration; the reason and the rungs it "
+          f"was decided on are in {path}", flush=True)
+
+
 def read_preregistration(spec: LadderSpec) -> dict[str, Any]:
     """The ladder's pre-registration, checked against its sha256 and the spec's configs."""
     path = spec.out / prereg.PREREG_FILE
     if not path.exists():
+        refusal = spec.out / prereg.REFUSAL_FILE
+        if refusal.is_file():
+            reason = json.loads(refusal.read_text()).get("reason", "")
+            raise UserError(f"no pre-registration at {path}: the target was refused "
+                            f"({refusal}): {reason}")
         raise UserError(f"no pre-registration at {path}; run `moelab ladder run` first")
     record = prereg.read(path)
     prereg.check_matches(record, path, config_hashes(spec))
