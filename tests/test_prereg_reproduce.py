@@ -89,10 +89,11 @@ def newest_per_ladder(paths: list[Path]) -> list[Path]:
     return sorted(path for _, path in newest.values())
 
 
-def recompute(record: dict[str, Any], out: Path, monkeypatch, bootstrap: int | None = None
-              ) -> dict[str, Any]:
+def recompute(record: dict[str, Any], out: Path, monkeypatch, bootstrap: int | None = None,
+              nudge: float = 0.0) -> dict[str, Any]:
     """The content `ladder run` pre-registers today from `record`'s rungs, target and fit
-    options, as it reads back from the JSON file."""
+    options, as it reads back from the JSON file; with `nudge`, every rung loss moved by
+    that relative amount, up or down by a fixed pattern (the probe of `ill_posed`)."""
 
     def rung(run: dict[str, Any]) -> Rung:
         return Rung(run["name"], config_from_dict(run["config"]), run["point"], run["parent"],
@@ -103,6 +104,12 @@ def recompute(record: dict[str, Any], out: Path, monkeypatch, bootstrap: int | N
     lr_runs = [rung(r) for r in record["rungs"] if r["name"] not in fitted]  # lr_check's
     fields = [f.name for f in dataclasses.fields(RunResult)]
     results = {r["name"]: RunResult(**{k: r[k] for k in fields}) for r in record["rungs"]}
+    if nudge:
+        for i, (name, res) in enumerate(sorted(results.items())):
+            f = 1 + nudge * (-1) ** i
+            results[name] = dataclasses.replace(
+                res, final_val_loss=res.final_val_loss * f,
+                curve=[{**pt, "loss": pt["loss"] * f} for pt in res.curve])
     options = {**LEGACY_OPTIONS, **record["fit_options"]}
     if bootstrap is not None:
         options["bootstrap"] = bootstrap
@@ -185,11 +192,33 @@ def same_float(committed: Any, recomputed: Any) -> bool:
     return floats and math.isclose(committed, recomputed, rel_tol=REL_TOL, abs_tol=ABS_TOL)
 
 
+# The probe's nudge: the fits stop within a relative tolerance of 1e-8 (least_squares'
+# xtol and ftol), so where another CPU's rounding stops them is as uncertain as a 1e-8
+# change of their inputs makes it
+NUDGE = 1e-8
+
+
+def ill_posed(diffs: list[str], committed: dict[str, Any], recomputed: dict[str, Any],
+              nudged: dict[str, Any], ignore: set[str]) -> list[str]:
+    """The diffs at values that a NUDGE change of the rung losses already moves beyond
+    same_float on this machine: fits that the data do not pin to 1e-4 (a Chinchilla fit
+    flagged unidentified, whose E and condition number lie anywhere along a flat valley; a
+    curve-law backtest refitted on a few points from one start). What another CPU's
+    rounding gives there is not a regression, and no tolerance could hold it."""
+    moved = {d.split(":", 1)[0] for d in compare(recomputed, nudged, ignore)}
+    return [d for d in diffs if d.split(":", 1)[0] in moved]
+
+
 def check(path: Path, tmp_path: Path, monkeypatch, bootstrap: int | None = None) -> None:
     committed = prereg.read(path)  # unedited since written: its sha256 covers its content
     content = {k: v for k, v in committed.items() if k not in BOOKKEEPING}
     recomputed = recompute(committed, tmp_path, monkeypatch, bootstrap)
-    diffs = compare(content, recomputed, BOOTSTRAP_FIELDS if bootstrap else set())
+    ignore = BOOTSTRAP_FIELDS if bootstrap else set()
+    diffs = compare(content, recomputed, ignore)
+    if diffs:  # where the data do not pin a value, another CPU may land elsewhere
+        nudged = recompute(committed, tmp_path / "nudged", monkeypatch, bootstrap, NUDGE)
+        loose = ill_posed(diffs, content, recomputed, nudged, ignore)
+        diffs = [d for d in diffs if d not in loose]
     assert not diffs, f"{record_id(path)} does not reproduce:\n" + "\n".join(diffs[:20])
 
 
