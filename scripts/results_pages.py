@@ -38,7 +38,8 @@ MAX_DEPTH = 3
 REFUSED_NOW = {  # bench/ladder_repetition.py's refused_now_check: the check that refuses it today
     "data.unique_sample": "its rungs on prefix subsets, narrower than the corpus",
     "fit.max_rung_residual": "the law misses its own rungs by more than 2%",
-    "fit.precision": "its own interval too wide to hold 2%"}
+    "fit.precision": "its own interval, with the form-error term and 90% odds a measured spec "
+                     "now defaults to, too wide to hold 2%"}
 
 
 @dataclass
@@ -483,7 +484,7 @@ def repetition_rows(results: Path) -> list[list[str]]:
                      "[ladder_repetition](bench/results/ladder_repetition/)",
                      f"{r['predicted']:.4f} {interval(r['interval'])}", f"{r['actual']:.4f}",
                      f"{r['relative_error']:+.2%}"
-                     + ("; refused today by a check added after it ran ("
+                     + ("; refused today by a check or default added after it ran ("
                         + REFUSED_NOW[r["refused_now_check"]] + ")"
                         if r.get("refused_now") else ""),
                      f"repeated data: {r['passes_max']:.1f} passes"])

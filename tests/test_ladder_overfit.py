@@ -199,12 +199,26 @@ def test_measured_repetition_refuses_by_its_own_interval(tmp_path, monkeypatch):
             _measuring_spec(tmp_path / "bad-odds", precision_odds=odds)
     # fit.precision at 0.7 of the half-width: even odds lie within 0.41 of it (0.674 /
     # 1.645), so it pre-registers; 90% odds need the whole half-width, so it is refused
-    even, _ = _measuring_spec(tmp_path / "even", precision=0.7 * half)
+    even, _ = _measuring_spec(tmp_path / "even", precision=0.7 * half, precision_odds=0.5)
     assert forecast(even, results, [])["prediction"]["value"] == p["value"]
-    strict, _ = _measuring_spec(tmp_path / "strict", precision=0.7 * half,
-                                precision_odds=0.9)
+    strict, _ = _measuring_spec(tmp_path / "strict", precision=0.7 * half)  # 0.9: default
     with pytest.raises(FitError, match="at 90% odds"):
         forecast(strict, results, [])
+
+
+def test_a_measured_spec_defaults_to_the_form_error_term_and_ninety_percent_odds(tmp_path):
+    """fit.repetition: measured turns on fit.misspecification and fit.precision_odds 0.9
+    unless the spec sets them; other specs, and FitOptions as records rebuild it, keep
+    the old defaults (off, even odds)."""
+    from moelab.ladder.spec import FitOptions
+
+    spec, _ = _measuring_spec(tmp_path)
+    assert spec.fit.misspecification is True and spec.fit.precision_odds == 0.9
+    own, _ = _measuring_spec(tmp_path / "own", misspecification=False, precision_odds=0.6)
+    assert own.fit.misspecification is False and own.fit.precision_odds == 0.6
+    other, _ = _measuring_spec(tmp_path / "other", repetition="muennighoff")
+    assert other.fit.misspecification is False and other.fit.precision_odds == 0.5
+    assert FitOptions(repetition="measured").misspecification is False
 
 
 def test_a_refused_preregistration_keeps_its_reason_and_rungs(tmp_path, monkeypatch):

@@ -14,7 +14,8 @@ Coverage: each extrapolating backtest is scored against the interval it would ha
 its rate estimated from the *other* extrapolating backtests (leave one out) and the seed
 noise of its points: the share of held-out losses inside, over n backtests.
 
-Off by default: specs written before it keep their numbers.
+Off by default (on for a spec with fit.repetition: measured, spec.MEASURED_DEFAULTS):
+specs written before it keep their numbers.
 """
 
 from __future__ import annotations
