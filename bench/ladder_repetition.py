@@ -153,6 +153,28 @@ def interval_today(spec, row_: dict[str, Any], report: dict[str, Any]) -> dict[s
     return {"value": w["value"], **w["interval"]}
 
 
+def hindsight(spec, kept: Path) -> dict[str, Any]:
+    """{"hindsight": ...} for a refused spec whose target was trained anyway, after the
+    refusal, by `<spec>_hindsight.yaml` (its rungs and target, fit.precision off, the value
+    written before the target trained): what the refusal kept out of the record. Not
+    counted in the table; {} when there is none."""
+    path = LADDER_PRESETS / "dev" / f"{spec.name}_hindsight.yaml"
+    if not path.is_file():
+        return {}
+    after = load_spec(path)
+    report = finished_report(after, kept)
+    if report is None:
+        return {}
+    if after.out.is_dir():
+        keep(after, kept / after.name)
+    return {"hindsight": {"spec": after.name, "predicted": report["predicted"],
+                          "interval": {k: report["interval"][k] for k in ("low", "high")},
+                          "actual": report["actual"],
+                          "relative_error": report["relative_error"],
+                          "within_interval": report["within_interval"],
+                          "counted": False}}
+
+
 def rung_residual(report: dict[str, Any]) -> float:
     """The measured law's residual sd on its rungs relative to their mean loss: what
     fit.max_rung_residual caps (a record written before the cap does not hold it)."""
@@ -218,7 +240,7 @@ def main() -> None:
                 if not refused["refused"]:
                     refused = refused_after_rungs(spec, refused, args.out.parent)
                 if refused["refused"]:
-                    runs.append(refused)
+                    runs.append({**refused, **hindsight(spec, args.out.parent)})
                 else:
                     not_run.append(spec.name)
     except UserError as err:  # a corpus not prepared, say

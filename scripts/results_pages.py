@@ -500,10 +500,22 @@ def repetition_rows(results: Path) -> list[list[str]]:
                      if label == moved else
                      f"refused at pre-registration after {refused[0]['refused_after']}"
                      if refused[0].get("refused_after") else
-                     "refused by a check added after its one run", "",
+                     "refused by a check added after its one run",
+                     after_refusal(refused[0].get("hindsight")),
                      "repeated data: " + ("targets" if len(refused) > 1 else "target") + " at "
                      + ", ".join(f"{r['passes_max']:.1f}" for r in refused) + " passes"])
     return rows
+
+
+def after_refusal(hindsight: dict | None) -> str:
+    """A refused target trained anyway afterwards (not counted): its error against the
+    value the law gave, or nothing."""
+    if not hindsight:
+        return ""
+    inside = "inside" if hindsight["within_interval"] else "outside"
+    return (f"trained after the refusal ({hindsight['spec']}, not counted): "
+            f"{hindsight['actual']:.4f}, {hindsight['relative_error']:+.2%} against the law's "
+            f"{hindsight['predicted']:.4f}, {inside} its interval")
 
 
 def headline(results: Path = RESULTS) -> str:
