@@ -55,7 +55,8 @@ RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repe
 # finished one's
 REPETITION_SPECS = [LADDER_PRESETS / "dev" / f"{name}.yaml" for name in
                     ("repetition", "repetition_v2", "repetition_v3", "repetition_v4",
-                     "repetition_v5", "repetition_v6", "repetition_v7", "repetition_v8")]
+                     "repetition_v5", "repetition_v6", "repetition_v7", "repetition_v8",
+                     "repetition_v9")]
 HELDOUT = LADDER_PRESETS / "heldout"
 FORM_ERROR = (Path(__file__).parent / "results" / "repetition_form_error"
               / "repetition_form_error.json")
