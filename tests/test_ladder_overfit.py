@@ -221,6 +221,22 @@ def test_a_measured_spec_defaults_to_the_form_error_term_and_ninety_percent_odds
     assert FitOptions(repetition="measured").misspecification is False
 
 
+def test_ladder_plan_states_the_bar_a_measured_spec_will_be_held_to(tmp_path, capsys):
+    """Before any rung trains, `ladder plan` says what the pre-registration will need."""
+    from moelab.ladder.cli import _print_measured
+
+    spec, _ = _measuring_spec(tmp_path)
+    _print_measured(spec)
+    line = capsys.readouterr().out
+    assert "widened by its error in form" in line and "90% odds of landing within 2.0%" in line
+    assert "within 2.0% of its rungs" in line
+    loose, _ = _measuring_spec(tmp_path / "loose", precision=None, max_rung_residual=None)
+    _print_measured(loose)
+    other, _ = _measuring_spec(tmp_path / "other", repetition="muennighoff")
+    _print_measured(other)
+    assert capsys.readouterr().out == ""
+
+
 def test_a_refused_preregistration_keeps_its_reason_and_rungs(tmp_path, monkeypatch):
     """A refusal is a ladder's result: `ladder run` writes <out>/refusal.json with the
     one-line reason and the rung losses it was decided on (a fresh checkout has no runs/,

@@ -89,7 +89,29 @@ def _plan(args: argparse.Namespace) -> None:
     print(f"rungs train {total:.3g} FLOPs; the target {spec.target.compute:.3g} "
           f"({spec.target.compute / max(r.compute for r in spec.rungs):.1f}x the largest rung)")
     _print_passes(spec)
+    _print_measured(spec)
     _print_preflight(spec)
+
+
+def _print_measured(spec) -> None:
+    """fit.repetition: measured: what the pre-registration will hold the law to once the
+    rungs have trained (so a spec learns its bar before spending their compute)."""
+    fit = spec.fit
+    if fit.repetition != "measured":
+        return
+    needs = []
+    if fit.max_rung_residual is not None:
+        needs.append(f"the law within {fit.max_rung_residual:.1%} of its rungs (residual sd, "
+                     "fit.max_rung_residual)")
+    if fit.precision is not None:
+        form = " widened by its error in form (fit.misspecification)" if (
+            fit.misspecification) else ""
+        needs.append(f"its {fit.confidence:.0%} interval at the target{form} giving "
+                     f"{fit.precision_odds:.0%} odds of landing within {fit.precision:.1%} "
+                     "(fit.precision, fit.precision_odds)")
+    if needs:
+        print("after the rungs train, the pre-registration needs " + "; and ".join(needs)
+              + ", or it refuses the target in one line")
 
 
 def _print_preflight(spec) -> None:
