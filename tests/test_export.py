@@ -96,6 +96,23 @@ def test_export_refuses_a_mismatched_config_a_small_vocab_and_a_full_directory(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "ok"]  # no temp left
 
 
+def test_export_where_the_directory_cannot_be_created_is_one_line(tmp_path, monkeypatch):
+    """Mode bits can say yes where creating says no (/proc, a read-only mount): one line
+    naming --out, not an OSError about a temporary name."""
+    import errno
+
+    from moelab.export import hf
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(hf.tempfile, "mkdtemp", refuse)
+    model, cfg = tiny()
+    with pytest.raises(UserError, match=r"--out .*hf: cannot create it in .*Read-only file"):
+        export_hf(model, cfg, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------- generation
 
 

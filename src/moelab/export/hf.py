@@ -378,8 +378,12 @@ def export_hf(
     files["config.json"] = json.dumps(hf_config(cfg, eos_id), indent=2)
     weights = hf_state_dict(model)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:  # a place writable by the mode bits can still refuse (/proc, a read-only mount)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as err:
+        raise UserError(f"--out {out_dir}: cannot create it in {out_dir.parent} "
+                        f"({err.strerror or err}); choose another path") from None
     old = None
     try:
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
