@@ -256,6 +256,10 @@ def test_a_refused_preregistration_keeps_its_reason_and_rungs(tmp_path, monkeypa
     assert kept["kind"] == prereg.REFUSAL_KIND and kept["reason"] == str(err.value)
     assert [r["final_val_loss"] for r in kept["rungs"]] == [r.final_val_loss for r in results]
     assert kept["fit_options"]["precision"] == 1e-4 and kept["corpus"]["content_sha256"]
+    # what the check computed: the interval it refused and the law behind it
+    low, value = kept["detail"]["interval"]["low"], kept["detail"]["value"]
+    assert low < value and f"{value:.4g}" in kept["reason"]
+    assert kept["detail"]["fit"]["n"] == len(results)
     assert not (spec.out / prereg.PREREG_FILE).exists()
     with pytest.raises(UserError, match="the target was refused .*fit.precision"):
         runner.read_preregistration(tight)

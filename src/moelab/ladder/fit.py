@@ -42,7 +42,13 @@ Residuals = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.
 
 
 class FitError(UserError):
-    """The scaling law could not be fitted to the rungs (names why and what to change)."""
+    """The scaling law could not be fitted to the rungs (names why and what to change).
+    `detail`: what the refusing check computed (a law's fit and interval), for the record
+    a refusal leaves (runner.write_refusal); None when there is nothing beyond the line."""
+
+    def __init__(self, message: str, detail: dict | None = None):
+        super().__init__(message)
+        self.detail = detail
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,8 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
     relative = fit.rmse / float(np.mean(losses))
     reason = rung_residual_refusal(relative, fit.rmse, fit.n, options.max_rung_residual)
     if reason:
-        raise FitError(reason)
+        raise FitError(reason, {"fit": {**fit.to_dict(), "passes": passes,
+                                        "relative_rmse": relative}})
     target = spec.target
     target_passes = most_passes(target)
     iv = fit.interval(target.active_params, target.tokens, max(target_passes, 1e-9))
@@ -256,7 +257,9 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
     reason = interval_refusal(out["interval"], options.confidence, options.precision,
                               options.precision_odds)
     if reason:
-        raise FitError(reason)
+        raise FitError(reason, {**out, "fit": {**fit.to_dict(), "passes": passes,
+                                               "relative_rmse": relative},
+                                "target_passes": target_passes})
     return {**out, "fit": {**fit.to_dict(), "passes": passes, "relative_rmse": relative},
             "target_passes": target_passes}
 

@@ -99,7 +99,7 @@ def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[Run
         try:
             content = forecast(spec, results, lr_results)
         except FitError as err:  # a refusal is a result too: kept beside the rungs
-            write_refusal(spec, results, str(err), hashes, passes)
+            write_refusal(spec, results, str(err), hashes, passes, err.detail)
             raise
         record = {
             "kind": prereg.KIND, "ladder": spec.name, "created_at": prereg.utc_now(),
@@ -131,13 +131,15 @@ def config_hashes(spec: LadderSpec) -> dict[str, str]:
 
 
 def write_refusal(spec: LadderSpec, results: list[RunResult], reason: str,
-                  hashes: dict[str, str], passes: dict[str, Any]) -> None:
+                  hashes: dict[str, str], passes: dict[str, Any],
+                  detail: dict[str, Any] | None = None) -> None:
     """<out>/refusal.json: the pre-registration's one-line reason for refusing the target,
-    with the rung losses, fit options, code and corpus it was decided on (replaced by the
-    latest refusal; a pre-registration written later, with other fit options, leaves it as
-    the record of what was refused first)."""
+    with what the refusing check computed (`detail`: the law's fit and its interval at the
+    target), the rung losses, fit options, code and corpus it was decided on (replaced by
+    the latest refusal; a pre-registration written later, with other fit options, leaves
+    it as the record of what was refused first)."""
     record = {"kind": prereg.REFUSAL_KIND, "ladder": spec.name,
-              "created_at": prereg.utc_now(), "reason": reason,
+              "created_at": prereg.utc_now(), "reason": reason, "detail": detail,
               "fit_options": dataclasses.asdict(spec.fit),
               "rungs": [{**rung.summary(), **res.to_dict(), "config_sha256": hashes[rung.name]}
                         for rung, res in zip(spec.rungs, results, strict=True)],
