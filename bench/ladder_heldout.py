@@ -34,7 +34,7 @@ from moelab.ladder.spec import LADDER_PRESETS, load_spec
 
 RESULTS = Path(__file__).parent / "results" / "ladder_heldout" / "ladder_heldout.json"
 SPECS = LADDER_PRESETS / "heldout"
-KEPT = ("preregistration.json", "refusal.json", "report.json", "report.md", "fit.png",
+KEPT = ("preregistration.json", "refusal.json", "refusal.md", "report.json", "report.md", "fit.png",
         "curves.png")
 
 

@@ -246,8 +246,11 @@ def test_a_refused_preregistration_keeps_its_reason_and_rungs(tmp_path, monkeypa
     spec, passes = _measuring_spec(tmp_path)
     monkeypatch.setattr(repetition, "run_passes",
                         lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
-    monkeypatch.setattr(repetition, "check", lambda spec: {"target_max": 6.0})
-    monkeypatch.setattr(repetition, "corpus", lambda spec: {"content_sha256": "c0ffee"})
+    monkeypatch.setattr(repetition, "check", lambda spec: {
+        "target_max": 6.0, "target": {"prose": 6.0}, "rungs_max": {"prose": 16.0},
+        "beyond_rungs": []})
+    monkeypatch.setattr(repetition, "corpus",
+                        lambda spec: {"path": "data", "content_sha256": "c0ffee"})
     results, _ = _measured_results(spec, passes)
     tight = dataclasses.replace(spec, fit=dataclasses.replace(spec.fit, precision=1e-4))
     with pytest.raises(FitError, match="fit.precision") as err:
@@ -260,6 +263,9 @@ def test_a_refused_preregistration_keeps_its_reason_and_rungs(tmp_path, monkeypa
     low, value = kept["detail"]["interval"]["low"], kept["detail"]["value"]
     assert low < value and f"{value:.4g}" in kept["reason"]
     assert kept["detail"]["fit"]["n"] == len(results)
+    readable = (spec.out / prereg.REFUSAL_MD).read_text()
+    assert str(err.value) in readable and f"{value:.4f}" in readable
+    assert readable.count("| w") == len(results)  # every rung's row
     assert not (spec.out / prereg.PREREG_FILE).exists()
     with pytest.raises(UserError, match="the target was refused .*fit.precision"):
         runner.read_preregistration(tight)

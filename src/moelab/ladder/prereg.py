@@ -24,6 +24,7 @@ from moelab.schema import read_json
 PREREG_FILE = "preregistration.json"
 REFUSAL_FILE = "refusal.json"  # why the pre-registration refused the target (runner)
 REFUSAL_KIND = "moelab.ladder.refusal/1"
+REFUSAL_MD = "refusal.md"  # the same, readable
 KIND = "moelab.ladder.preregistration/1"
 _RUN = {"name": str, "config_sha256": str}
 PREREG_SPEC = {"kind": str, "sha256": str, "rungs": [_RUN], "target": _RUN}

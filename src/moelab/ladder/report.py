@@ -157,6 +157,39 @@ def _misspec_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def refusal_markdown(record: dict[str, Any]) -> str:
+    """refusal.md: a refused pre-registration (runner.write_refusal's record), readable."""
+    t, detail = record["target"], record.get("detail") or {}
+    largest = max(r["compute"] for r in record["rungs"])
+    lines = [f"# Ladder `{record['ladder']}`: refused at pre-registration", "",
+             f"Decided {record['created_at']} (code {record['code_version'].get('commit')}) "
+             f"after its {len(record['rungs'])} rungs trained; the target was not trained.",
+             "", f"> {record['reason']}", "",
+             f"- target `{t['name']}`: N_active {t['active_params']:,}, {t['tokens']:,} tokens, "
+             f"{t['compute'] / largest:.1f}x the largest rung's compute"]
+    lines += _passes_lines(record.get("passes"), record.get("corpus"))
+    if "interval" in detail:
+        iv = detail["interval"]
+        lines += [f"- the law's value at the target: **{detail['value']:.4f}** "
+                  f"[{iv['low']:.4f}, {iv['high']:.4f}] ({iv.get('confidence', 0.9):.0%}); "
+                  f"{iv['method']}"]
+    term = detail.get("misspecification") or {}
+    if "terms" in term:
+        misses = ", ".join(f"level {x['level']} {x['rel_error']:+.2%} at {x['distance']:.2f} "
+                           "ln C" for x in term["terms"])
+        lines.append(f"- its refits without the lowest / highest compute level missed them by "
+                     f"{misses}: {term['rate_per_ln_compute']:.2%} per ln C, "
+                     f"{term['distance_ln_compute']:.2f} ln C to the target")
+    if "fit" in detail and "relative_rmse" in detail["fit"]:
+        lines.append(f"- the law's residual sd on its rungs: {detail['fit']['relative_rmse']:.2%}"
+                     " of their mean loss")
+    lines += ["", "| run | active params | tokens | compute | final loss |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['active_params']:,} | {r['tokens']:,} | {r['compute']:.3g} "
+              f"| {r['final_val_loss']:.4f} |" for r in record["rungs"]]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: dict[str, Any]) -> str:
     iv, noise = report["interval"], report["noise"]
     lines = [

@@ -23,7 +23,7 @@ from moelab.jobs import Job, run_jobs
 from moelab.ladder import preflight, prereg, repetition
 from moelab.ladder.fit import FitError
 from moelab.ladder.predict import forecast
-from moelab.ladder.report import write_report
+from moelab.ladder.report import refusal_markdown, write_report
 from moelab.ladder.results import (
     LOGGED,
     RunResult,
@@ -150,6 +150,7 @@ def write_refusal(spec: LadderSpec, results: list[RunResult], reason: str,
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
+    (spec.out / prereg.REFUSAL_MD).write_text(refusal_markdown(json.loads(path.read_text())))
     print(f"[ladder {spec.name}] refused at pre-registration; the reason and the rungs it "
           f"was decided on are in {path}", flush=True)
 
