@@ -269,6 +269,10 @@ def test_a_refused_preregistration_keeps_its_reason_and_rungs(tmp_path, monkeypa
     assert not (spec.out / prereg.PREREG_FILE).exists()
     with pytest.raises(UserError, match="the target was refused .*fit.precision"):
         runner.read_preregistration(tight)
+    with pytest.raises(FitError):  # refused again on the same rungs: decided when first
+        runner.preregister(tight, results, [])
+    again = json.loads((spec.out / prereg.REFUSAL_FILE).read_text())
+    assert again["created_at"] == kept["created_at"]
     # a spec that lifts the check pre-registers; the refusal stays as what was refused first
     record = runner.preregister(spec, results, [])
     assert record["prediction"]["law"] == "repetition"

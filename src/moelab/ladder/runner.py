@@ -147,6 +147,13 @@ def write_refusal(spec: LadderSpec, results: list[RunResult], reason: str,
               "code_version": prereg.code_version(), "corpus": repetition.corpus(spec),
               "passes": passes}
     path = spec.out / prereg.REFUSAL_FILE
+    try:  # the same refusal again (a rerun): it was decided when first written
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        earlier = {}
+    if earlier.get("reason") == reason and earlier.get("rungs") == json.loads(
+            json.dumps(record["rungs"], default=str)):
+        record["created_at"] = earlier["created_at"]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
