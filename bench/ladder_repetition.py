@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -145,13 +146,18 @@ def interval_today(spec, row_: dict[str, Any], report: dict[str, Any]) -> dict[s
     (bench/repetition_form_error.py's refit of them)."""
     recorded = {"value": row_["predicted"], **row_["interval"]}
     ran_with = "misspecification term" in report["interval"].get("method", "")
-    if not spec.fit.misspecification or ran_with or not FORM_ERROR.is_file():
+    widened = form_error_intervals().get(spec.name)
+    if not spec.fit.misspecification or ran_with or widened is None:
         return recorded
-    widened = {r["spec"]: r for r in json.loads(FORM_ERROR.read_text())["runs"]}
-    if spec.name not in widened:
-        return recorded
-    w = widened[spec.name]
-    return {"value": w["value"], **w["interval"]}
+    return {"value": widened["value"], **widened["interval"]}
+
+
+@functools.cache
+def form_error_intervals() -> dict[str, dict[str, Any]]:
+    """bench/repetition_form_error.py's rows by spec, read once ({} before it has run)."""
+    if not FORM_ERROR.is_file():
+        return {}
+    return {r["spec"]: r for r in json.loads(FORM_ERROR.read_text())["runs"]}
 
 
 def hindsight(spec, kept: Path) -> dict[str, Any]:

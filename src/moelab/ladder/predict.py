@@ -244,10 +244,10 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
     fit = fit_overfit([r["active_params"] for r in rows], [r["tokens"] for r in rows],
                       passes, losses, options.confidence)
     relative = fit.rmse / float(np.mean(losses))
+    fitted = {**fit.to_dict(), "passes": passes, "relative_rmse": relative}
     reason = rung_residual_refusal(relative, fit.rmse, fit.n, options.max_rung_residual)
     if reason:
-        raise FitError(reason, {"fit": {**fit.to_dict(), "passes": passes,
-                                        "relative_rmse": relative}})
+        raise FitError(reason, {"fit": fitted})
     target = spec.target
     target_passes = most_passes(target)
     iv = fit.interval(target.active_params, target.tokens, max(target_passes, 1e-9))
@@ -256,12 +256,10 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
         _widen_measured(out, rows, passes, spec.target.compute, relative, options.confidence)
     reason = interval_refusal(out["interval"], options.confidence, options.precision,
                               options.precision_odds)
+    measured = {**out, "fit": fitted, "target_passes": target_passes}
     if reason:
-        raise FitError(reason, {**out, "fit": {**fit.to_dict(), "passes": passes,
-                                               "relative_rmse": relative},
-                                "target_passes": target_passes})
-    return {**out, "fit": {**fit.to_dict(), "passes": passes, "relative_rmse": relative},
-            "target_passes": target_passes}
+        raise FitError(reason, measured)
+    return measured
 
 
 def _widen_measured(law: dict[str, Any], rows: list[dict[str, Any]], passes: list[float],

@@ -146,18 +146,18 @@ def write_refusal(spec: LadderSpec, results: list[RunResult], reason: str,
               "target": {**spec.target.summary(), "config_sha256": hashes[spec.target.name]},
               "code_version": prereg.code_version(), "corpus": repetition.corpus(spec),
               "passes": passes}
+    record = json.loads(json.dumps(record, default=str))  # as the file holds it
     path = spec.out / prereg.REFUSAL_FILE
     try:  # the same refusal again (a rerun): it was decided when first written
         earlier = json.loads(path.read_text())
     except (OSError, ValueError):
         earlier = {}
-    if earlier.get("reason") == reason and earlier.get("rungs") == json.loads(
-            json.dumps(record["rungs"], default=str)):
+    if earlier.get("reason") == reason and earlier.get("rungs") == record["rungs"]:
         record["created_at"] = earlier["created_at"]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
-    (spec.out / prereg.REFUSAL_MD).write_text(refusal_markdown(json.loads(path.read_text())))
+    (spec.out / prereg.REFUSAL_MD).write_text(refusal_markdown(record))
     print(f"[ladder {spec.name}] refused at pre-registration; the reason and the rungs it "
           f"was decided on are in {path}", flush=True)
 
