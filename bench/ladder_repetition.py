@@ -57,7 +57,7 @@ RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repe
 REPETITION_SPECS = [LADDER_PRESETS / "dev" / f"{name}.yaml" for name in
                     ("repetition", "repetition_v2", "repetition_v3", "repetition_v4",
                      "repetition_v5", "repetition_v6", "repetition_v7", "repetition_v8",
-                     "repetition_v9")]
+                     "repetition_v9", "repetition_v10")]
 HELDOUT = LADDER_PRESETS / "heldout"
 FORM_ERROR = (Path(__file__).parent / "results" / "repetition_form_error"
               / "repetition_form_error.json")
@@ -225,9 +225,10 @@ def main() -> None:
                 r = runs[-1]
                 # first: prefixes of each source, narrower than the corpus (through v4)
                 r["unique_sample"] = spec.rungs[0].config.data.unique_sample
+                rep = repetition.repetition(spec)
                 checks = {  # the pre-registration's checks on a measured law, in its order
-                    "data.unique_sample": repetition.prefix_refusal(
-                        repetition.repetition(spec)),
+                    "data.unique_sample": repetition.prefix_refusal(rep),
+                    "fit.require_identified": repetition.identification_refusal(rep),
                     "fit.max_rung_residual": rung_residual_refusal(
                         measured["relative_rmse"], measured["rmse"], measured["n_points"],
                         spec.fit.max_rung_residual),
@@ -244,8 +245,15 @@ def main() -> None:
                     keep(spec, args.out.parent / spec.name)
             else:  # a measured-repetition spec without a target: refused, or not run yet
                 refused = checked(spec)
-                if not refused["refused"]:
-                    refused = refused_after_rungs(spec, refused, args.out.parent)
+                # a refusal decided after its rungs trained stands as it was decided; a
+                # check added since that would refuse it before training is noted beside
+                recorded = refused_after_rungs(spec, {**refused, "refused": False},
+                                               args.out.parent)
+                if recorded["refused"]:
+                    if refused["refused"] and refused["reason"] != recorded["reason"]:
+                        recorded["refused_now"] = (f"{refused['reason']} (a check added "
+                                                   "after it was refused)")
+                    refused = recorded
                 if refused["refused"]:
                     runs.append({**refused, **hindsight(spec, args.out.parent)})
                 else:

@@ -100,6 +100,9 @@ def _print_measured(spec) -> None:
     if fit.repetition != "measured":
         return
     needs = []
+    if fit.require_identified:
+        needs.append("no direction of the law's parameters that leaves every rung's loss "
+                     "unchanged to move the target's (fit.require_identified)")
     if fit.max_rung_residual is not None:
         needs.append(f"the law within {fit.max_rung_residual:.1%} of its rungs (residual sd, "
                      "fit.max_rung_residual)")

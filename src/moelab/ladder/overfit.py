@@ -35,6 +35,11 @@ from moelab.ladder.curve import REPEAT_DECAY
 from moelab.ladder.fit import ALPHA_MAX, ALPHA_MIN, LOG_A_BOUND, FitError, _check_points, _solve
 
 NAMES = ("E", "A", "a", "B", "b", "P", "r", "s")
+# A direction of the parameters whose singular value is under this fraction of the largest
+# is one the points leave flat: its sd would be 1e5 times the best-pinned direction's, and
+# the delta method's pseudo-inverse drops it (an exact trade, as E, B and b with two token
+# counts, comes out near 1e-10; the next direction on those rungs near 1e-2)
+NULL_TOL = 1e-5
 PENALTY_EXP_MAX = 3.0  # bounds of r and s: a penalty steeper than cubic is not identified
 FORMULA = ("L(N, D, R) = E + A (N/N0)^-a + B (D/D0)^-b + P (R-1)^r ((N/U)/Q0)^s for R > 1, "
            "U = D/R (Lovelace et al. 2026)")
@@ -82,6 +87,9 @@ class OverfitFit:
     confidence: float
     muennighoff: dict  # the decay fitted to the same points: R*, rmse, the published R*
     cov: tuple = ()  # of (E, log A, a, log B, b, log P, r, s), residual variance scaled
+    # unit directions of those parameters along which no fitted point's loss changes (the
+    # Jacobian's singular values under NULL_TOL of its largest): the fit cannot place them
+    null_space: tuple = ()
 
     def _theta(self) -> np.ndarray:
         return np.array([self.E, math.log(self.A), self.a, math.log(self.B), self.b,
@@ -91,14 +99,34 @@ class OverfitFit:
         return _law(self._theta(), _features(n_params, tokens, passes, self.N0, self.D0,
                                              self.Q0))
 
-    def interval(self, n_params: float, tokens: float, passes: float) -> dict:
-        """The prediction at one run with its delta-method interval: the parameters'
-        covariance through the law's gradient, plus one run's own residual noise."""
+    def _gradient(self, n_params: float, tokens: float, passes: float
+                  ) -> tuple[float, np.ndarray]:
+        """The law's value at one run and its gradient in the parameters."""
         theta, feats = self._theta(), _features(n_params, tokens, passes, self.N0, self.D0,
                                                 self.Q0)
         value = float(_law(theta, feats))
-        grad = np.array([(float(_law(theta + h, feats)) - value) / 1e-6
-                         for h in np.eye(len(theta)) * 1e-6])
+        return value, np.array([(float(_law(theta + h, feats)) - value) / 1e-6
+                                for h in np.eye(len(theta)) * 1e-6])
+
+    def unpinned(self, n_params: float, tokens: float, passes: float) -> dict:
+        """How far the prediction at one run moves, as a fraction of its value, per unit
+        step along a direction of the parameters that leaves every fitted point's loss
+        unchanged (`shift`, 0 when the points pin every direction), and the parameters
+        that direction is mostly made of."""
+        if not self.null_space:
+            return {"shift": 0.0, "parameters": []}
+        value, grad = self._gradient(n_params, tokens, passes)
+        moves = [abs(float(grad @ np.array(v))) / abs(value) for v in self.null_space]
+        worst = self.null_space[int(np.argmax(moves))]
+        weights = np.abs(np.array(worst))
+        names = [name for name, w in zip(NAMES, weights, strict=True)
+                 if w >= 0.15 * weights.max()]
+        return {"shift": max(moves), "parameters": names}
+
+    def interval(self, n_params: float, tokens: float, passes: float) -> dict:
+        """The prediction at one run with its delta-method interval: the parameters'
+        covariance through the law's gradient, plus one run's own residual noise."""
+        value, grad = self._gradient(n_params, tokens, passes)
         sd = math.sqrt(float(grad @ np.array(self.cov) @ grad) + self.rmse**2)
         z = norm.ppf(0.5 + self.confidence / 2)
         return {"value": value, "low": value - z * sd, "high": value + z * sd,
@@ -106,7 +134,7 @@ class OverfitFit:
                 "method": "delta method on the fit's Jacobian plus the residual sd"}
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "cov"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("cov", "null_space")}
         out["P_interval"] = {"low": self.P_interval[0], "high": self.P_interval[1]}
         return {**out, "formula": FORMULA}
 
@@ -150,6 +178,9 @@ def fit_overfit(n_params, tokens, passes, loss, confidence: float = 0.9) -> Over
     jac = np.array([(_law(theta + h, feats) - _law(theta, feats)) / 1e-6
                     for h in np.eye(len(theta)) * 1e-6]).T
     cov = float(resid @ resid) / dof * np.linalg.pinv(jac.T @ jac)
+    _, singular, directions = np.linalg.svd(jac, full_matrices=False)
+    null_space = tuple(tuple(v.tolist()) for v, sv in zip(directions, singular, strict=True)
+                       if sv < NULL_TOL * singular[0])
     z = norm.ppf(0.5 + confidence / 2)
     half = z * math.sqrt(max(cov[5, 5], 0.0))
     m_theta, m_why = _solve(problem(_muennighoff), _starts(y, 6),
@@ -165,4 +196,4 @@ def fit_overfit(n_params, tokens, passes, loss, confidence: float = 0.9) -> Over
                       rmse=float(np.sqrt(np.mean(resid**2))), n=len(y),
                       P_interval=(math.exp(log_p - half), math.exp(log_p + half)),
                       confidence=confidence, muennighoff=muennighoff,
-                      cov=tuple(map(tuple, cov.tolist())))
+                      cov=tuple(map(tuple, cov.tolist())), null_space=null_space)

@@ -206,6 +206,27 @@ def rung_residual_refusal(relative: float, rmse: float, n: int, cap: float | Non
             "fit.max_rung_residual to pre-register anyway")
 
 
+# fit.require_identified: the most the target may move, as a fraction of its value, per
+# unit step along a direction of the law's parameters that no rung's loss sees. The
+# parameters are exponents, log amplitudes and E in nats, so a unit step is their natural
+# scale and a flat direction lets them drift by several; at 1e-4 even 20 units move the
+# target 0.2%, a tenth of the 2% it is held to (v5's rungs moved its target 3.7%)
+UNPINNED_TOL = 1e-4
+
+
+def unpinned_refusal(pin: dict[str, Any]) -> str | None:
+    """The one-line reason fit.require_identified refuses a target that moves along a
+    direction of the law's parameters its rungs leave flat (OverfitFit.unpinned), or None."""
+    if pin["shift"] <= UNPINNED_TOL:
+        return None
+    return (f"the rungs do not pin the repetition law at the target: a direction of its "
+            f"parameters (mostly {', '.join(pin['parameters'])}) changes no rung's loss but "
+            f"moves the target's by {pin['shift']:.2%} per unit step, so its value there is "
+            "set by where the fit stops; train rungs that vary what the target extrapolates "
+            "in (a third token count, width or pass count), or set fit.require_identified: "
+            "false to pre-register anyway")
+
+
 def interval_refusal(interval: dict[str, float], confidence: float,
                      precision: float | None, odds: float = 0.5) -> str | None:
     """The one-line reason fit.precision refuses a measured-repetition target whose own
@@ -250,7 +271,13 @@ def _measured_repetition(spec: LadderSpec, rows: list[dict[str, Any]], options
         raise FitError(reason, {"fit": fitted})
     target = spec.target
     target_passes = most_passes(target)
-    iv = fit.interval(target.active_params, target.tokens, max(target_passes, 1e-9))
+    at_target = (target.active_params, target.tokens, max(target_passes, 1e-9))
+    if options.require_identified:
+        fitted["unpinned_at_target"] = pin = fit.unpinned(*at_target)
+        reason = unpinned_refusal(pin)
+        if reason:
+            raise FitError(reason, {"fit": fitted})
+    iv = fit.interval(*at_target)
     out: dict[str, Any] = {"value": iv["value"], "interval": iv}
     if options.misspecification:  # the law's error in form, as its own backtests show it
         _widen_measured(out, rows, passes, spec.target.compute, relative, options.confidence)

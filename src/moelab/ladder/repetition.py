@@ -89,7 +89,49 @@ def repetition(spec: LadderSpec) -> dict[str, Any]:
             "rung_passes": [p for p in repeated if p > 1.0],
             "prefix_subsets": sorted(r.name for r in spec.runs()
                                      if r.config.data.unique_tokens
-                                     and r.config.data.unique_sample == "first")}
+                                     and r.config.data.unique_sample == "first"),
+            "identified": identification(spec)}
+
+
+def identification(spec: LadderSpec) -> dict[str, Any]:
+    """The rungs' distinct token counts and active parameter counts beside the target's,
+    and whether fit.require_identified asks that each law term be pinned by them."""
+    return {"required": spec.fit.require_identified,
+            "tokens": sorted({r.tokens for r in spec.rungs}),
+            "active_params": sorted({r.active_params for r in spec.rungs}),
+            "target_tokens": spec.target.tokens,
+            "target_active_params": spec.target.active_params}
+
+
+# The measured law's terms in one variable: E + A (N/N0)^-a + B (D/D0)^-b; each has three
+# parameters with E, so it needs three distinct values of its variable among the rungs
+IDENTIFYING_TERMS = (("tokens", "token counts", "B (D/D0)^-b", "E, B and b",
+                      "target_tokens", "tokens", "train.steps"),
+                     ("active_params", "active parameter counts", "A (N/N0)^-a",
+                      "E, A and a", "target_active_params", "active parameters", "widths"))
+
+
+def identification_refusal(rep: dict[str, Any]) -> str | None:
+    """The one-line reason a measured spec whose rungs cannot pin a term of the law at
+    the target is refused before any rung trains, or None. With two token counts the data
+    term's three parameters (E, B, b) meet two values, so one direction of them is exactly
+    flat on every rung; a target at another D moves along it, and its value is then set
+    by where the fit stops, not by the rungs (repetition_v2-v9 all trained at 2; the
+    Jacobian's smallest singular value was 2e-10 of its largest on v5's rungs)."""
+    ident = rep.get("identified") or {}
+    if not (rep.get("measured") and ident.get("required")):
+        return None
+    for key, what, term, params, target_key, unit, fix in IDENTIFYING_TERMS:
+        values = ident[key]
+        if len(values) >= 3 or ident[target_key] in values:
+            continue
+        shown = " and ".join(f"{v:,}" for v in values)
+        return (f"fit.repetition: measured fits {term} to the rungs' {what}, but they have "
+                f"{len(values)} ({shown}): {params} then trade off exactly, and the target "
+                f"at {ident[target_key]:,} {unit} moves along that trade, which no rung's loss "
+                f"shows; add rungs at a third value (other {fix}), or set "
+                "fit.require_identified: false to pre-register anyway")
+    return None
 
 
 def prefix_refusal(rep: dict[str, Any]) -> str | None:
@@ -113,7 +155,7 @@ def prefix_refusal(rep: dict[str, Any]) -> str | None:
 
 def refusal(rep: dict[str, Any]) -> str | None:
     """The one-line reason pre-registration refuses, or None."""
-    if reason := prefix_refusal(rep):
+    if reason := prefix_refusal(rep) or identification_refusal(rep):
         return reason
     if rep.get("measured") and len(rep["rung_passes"]) < 2:
         return (f"fit.repetition: measured fits the law that can rise with passes on the "

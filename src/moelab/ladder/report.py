@@ -183,6 +183,11 @@ def refusal_markdown(record: dict[str, Any]) -> str:
     if "fit" in detail and "relative_rmse" in detail["fit"]:
         lines.append(f"- the law's residual sd on its rungs: {detail['fit']['relative_rmse']:.2%}"
                      " of their mean loss")
+    pin = (detail.get("fit") or {}).get("unpinned_at_target") or {}
+    if pin.get("shift"):
+        lines.append(f"- a direction of its parameters (mostly {', '.join(pin['parameters'])}) "
+                     f"that changes no rung's loss moves the target's by {pin['shift']:.2%} "
+                     "per unit step (fit.require_identified)")
     lines += ["", "| run | active params | tokens | compute | final loss |",
               "|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['active_params']:,} | {r['tokens']:,} | {r['compute']:.3g} "

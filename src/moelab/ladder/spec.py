@@ -123,6 +123,16 @@ class FitOptions:
     # interval asks for a half-width under fit.precision itself); a spec with repetition:
     # measured defaults to 0.9 (MEASURED_DEFAULTS)
     precision_odds: float = 0.5
+    # fit.repetition: measured only: refuse a target the rungs do not pin. With fewer than
+    # three token counts (or widths) among the rungs, the law's data term B (D/D0)^-b (or
+    # A (N/N0)^-a) has three parameters for two values, so E, B and b trade off exactly:
+    # the rungs' losses cannot tell them apart while a target at another D moves with
+    # them, and the value then depends on where the optimiser stops. Refused before any
+    # rung trains by that count (moelab.ladder.repetition), and after the fit by any
+    # direction of the parameters the rungs leave flat that moves the target
+    # (OverfitFit.unpinned). false: no check (specs before it); a spec with repetition:
+    # measured defaults to true (MEASURED_DEFAULTS)
+    require_identified: bool = False
 
 
 # A spec with fit.repetition: measured defaults to these (its own keys win). The measured
@@ -132,8 +142,11 @@ class FitOptions:
 # v5 and v7 are refused and v6 (+-1.67%, landed +0.91%) pre-registers
 # (bench/repetition_form_error.py). Chosen after those results; repetition_v8, which set
 # both before it ran, is their first test. FitOptions itself keeps the old defaults, so
-# every committed record reproduces from its own fit_options.
-MEASURED_DEFAULTS = {"misspecification": True, "precision_odds": 0.9}
+# every committed record reproduces from its own fit_options. fit.require_identified came
+# after v2-v9 all trained their rungs at two token counts (repetition_v10 is its first
+# test).
+MEASURED_DEFAULTS = {"misspecification": True, "precision_odds": 0.9,
+                     "require_identified": True}
 
 
 def run_tokens(config: Config) -> int:
@@ -393,6 +406,9 @@ def _fit_options(raw: Any) -> FitOptions:
         raise ConfigError(f"fit.stage_law: {options.stage_law!r} is not one of {list(laws)}")
     if not isinstance(options.stage_gain, bool):
         raise ConfigError(f"fit.stage_gain: must be true or false, got {options.stage_gain!r}")
+    if not isinstance(options.require_identified, bool):
+        raise ConfigError(f"fit.require_identified: must be true or false, got "
+                          f"{options.require_identified!r}")
     if not isinstance(options.accept_repetition, bool):
         raise ConfigError(f"fit.accept_repetition: must be true or false, got "
                           f"{options.accept_repetition!r}")
