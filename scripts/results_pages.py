@@ -37,6 +37,8 @@ MAX_COLS = 9
 MAX_DEPTH = 3
 REFUSED_NOW = {  # bench/ladder_repetition.py's refused_now_check: the check that refuses it today
     "data.unique_sample": "its rungs on prefix subsets, narrower than the corpus",
+    "fit.require_identified": "its rungs at two token counts, which leave the law's value "
+                              "at the target unpinned",
     "fit.max_rung_residual": "the law misses its own rungs by more than 2%",
     "fit.precision": "its own interval, with the form-error term and 90% odds a measured spec "
                      "now defaults to, too wide to hold 2%"}
