@@ -278,6 +278,11 @@ def test_a_refused_preregistration_keeps_its_reason_and_rungs(tmp_path, monkeypa
     record = runner.preregister(spec, results, [])
     assert record["prediction"]["law"] == "repetition"
     assert (spec.out / prereg.REFUSAL_FILE).is_file()
+    # a refusal damaged by hand: one line, not a traceback, from `ladder report`
+    (spec.out / prereg.PREREG_FILE).unlink()
+    (spec.out / prereg.REFUSAL_FILE).write_text('{"reason": "cut sho')
+    with pytest.raises(UserError, match="cannot be read .*JSONDecodeError"):
+        runner.read_preregistration(tight)
 
 
 def test_measured_repetition_needs_enough_rungs_and_repeating_rungs(tmp_path):

@@ -168,7 +168,12 @@ def read_preregistration(spec: LadderSpec) -> dict[str, Any]:
     if not path.exists():
         refusal = spec.out / prereg.REFUSAL_FILE
         if refusal.is_file():
-            reason = json.loads(refusal.read_text()).get("reason", "")
+            try:
+                reason = json.loads(refusal.read_text()).get("reason", "")
+            except (OSError, ValueError, AttributeError) as err:  # damaged by hand
+                raise UserError(f"no pre-registration at {path}, and its refusal "
+                                f"{refusal} cannot be read ({type(err).__name__}): "
+                                "rerun `moelab ladder run` to decide again") from None
             raise UserError(f"no pre-registration at {path}: the target was refused "
                             f"({refusal}): {reason}")
         raise UserError(f"no pre-registration at {path}; run `moelab ladder run` first")
