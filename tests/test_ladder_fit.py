@@ -314,3 +314,16 @@ def test_preregistration_is_written_once_and_edits_are_detected(tmp_path):
     path.write_text(json.dumps(edited))
     with pytest.raises(UserError, match="edited after it was written"):
         prereg.read(path)
+
+
+def test_code_version_is_the_code_the_process_imported(monkeypatch):
+    """A ladder runs for half an hour or more; a commit made meanwhile is not the code that
+    decides its pre-registration, so the record names the commit at import and, when the
+    tree has moved since, the commit it is at now beside it (`changed_since`)."""
+    at_import = {"commit": "a" * 40, "dirty": False}
+    monkeypatch.setattr(prereg, "_AT_IMPORT", at_import)
+    monkeypatch.setattr(prereg, "_git_version", lambda: dict(at_import))
+    assert prereg.code_version() == at_import
+    moved = {"commit": "b" * 40, "dirty": True}
+    monkeypatch.setattr(prereg, "_git_version", lambda: dict(moved))
+    assert prereg.code_version() == {**at_import, "changed_since": moved}

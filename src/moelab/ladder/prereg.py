@@ -50,7 +50,7 @@ def record_sha256(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def code_version() -> dict[str, Any]:
+def _git_version() -> dict[str, Any]:
     """The git commit of moelab's own source tree and whether tracked files differ from it
     (then the commit alone does not reproduce the code); None outside a git checkout."""
     where = Path(__file__).resolve().parent
@@ -65,6 +65,22 @@ def code_version() -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
     return {"commit": commit, "dirty": dirty}
+
+
+# Read when moelab's ladder code is imported, which is the code a process runs: a ladder
+# trains its rungs for half an hour or more, and a commit made meanwhile is in the tree, not
+# in the process (repetition_v10's refusal named the commit at write time, c17f406, while
+# the code that decided it was its start's, dd4e0f7; the fit options it wrote show which)
+_AT_IMPORT = _git_version()
+
+
+def code_version() -> dict[str, Any]:
+    """The commit of the code this process imported (see _AT_IMPORT). When the tree has
+    moved since, `changed_since` says so, with the commit it is at now."""
+    now = _git_version()
+    if now == _AT_IMPORT:
+        return dict(_AT_IMPORT)
+    return {**_AT_IMPORT, "changed_since": {"commit": now["commit"], "dirty": now["dirty"]}}
 
 
 def utc_now() -> str:
