@@ -57,7 +57,7 @@ RESULTS = Path(__file__).parent / "results" / "ladder_repetition" / "ladder_repe
 REPETITION_SPECS = [LADDER_PRESETS / "dev" / f"{name}.yaml" for name in
                     ("repetition", "repetition_v2", "repetition_v3", "repetition_v4",
                      "repetition_v5", "repetition_v6", "repetition_v7", "repetition_v8",
-                     "repetition_v9", "repetition_v10")]
+                     "repetition_v9", "repetition_v10", "repetition_v11")]
 HELDOUT = LADDER_PRESETS / "heldout"
 FORM_ERROR = (Path(__file__).parent / "results" / "repetition_form_error"
               / "repetition_form_error.json")
