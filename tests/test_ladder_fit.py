@@ -327,3 +327,20 @@ def test_code_version_is_the_code_the_process_imported(monkeypatch):
     moved = {"commit": "b" * 40, "dirty": True}
     monkeypatch.setattr(prereg, "_git_version", lambda: dict(moved))
     assert prereg.code_version() == {**at_import, "changed_since": moved}
+
+
+def test_the_report_says_when_a_law_is_not_identified_by_its_points():
+    """repetition_v7's kept report: its Chinchilla fit on rungs at two token counts has a
+    Jacobian condition number of 7e16 (E, B and b trade off exactly), which report.md
+    states; its curve law (condition 1e2) is not named."""
+    from pathlib import Path
+
+    from moelab.ladder.report import markdown
+
+    kept = Path(__file__).resolve().parents[1] / "bench" / "results" / "ladder_repetition"
+    report = json.loads((kept / "repetition_v7" / "report.json").read_text())
+    assert report["fits"]["chinchilla"]["unidentified"]
+    text = markdown(report)
+    assert "chinchilla: not identified by the points (its Jacobian's condition number 6.6e+16" \
+        in text
+    assert "curve: not identified" not in text

@@ -475,3 +475,34 @@ def test_rungs_at_two_token_counts_are_refused_before_they_train_and_after(tmp_p
     results3, _ = _measured_results(three, passes)
     record = forecast(three, results3, [])
     assert record["laws"]["repetition"]["fit"]["unpinned_at_target"]["shift"] == 0.0
+
+
+def test_ladder_run_notes_a_preregistered_law_its_rungs_do_not_identify(tmp_path, monkeypatch,
+                                                                        capsys):
+    """Rungs at two token counts under the Chinchilla law (no measured repetition): its E,
+    B and b trade off exactly, and `ladder run` says so beside the value it pre-registers
+    (the record's fit holds the condition number)."""
+    from moelab.ladder import runner
+
+    base = tiny_config(tmp_path / "data", model={"n_layers": 1},
+                       optim={"warmup_steps": 5}, train={"log_every": 1000})
+    rungs = [{"name": f"w{d}-t{steps}", "model": {"d_model": d, "d_ff": d},
+              "train": {"steps": steps}} for d in (16, 24, 32) for steps in (200, 400)]
+    raw = {"base": base, "evals": 2, "rungs": rungs,
+           "target": {"name": "big", "model": {"d_model": 64, "d_ff": 64},
+                      "train": {"steps": 4000}},
+           "fit": {"bootstrap": 20, "noise_sd": NOISE, "repetition": "none"}}
+    spec = spec_from_dict(raw, "flat", tmp_path / "flat")
+    passes = {r.name: 1.0 for r in spec.runs()}
+    monkeypatch.setattr(repetition, "check", lambda spec: {
+        "target_max": 1.0, "target": {"prose": 1.0}, "rungs_max": {"prose": 1.0},
+        "beyond_rungs": []})
+    monkeypatch.setattr(repetition, "corpus",
+                        lambda spec: {"path": "data", "content_sha256": "c0ffee"})
+    results, _ = _measured_results(spec, passes)
+    record = runner.preregister(spec, results, [])
+    fit = record["laws"]["chinchilla"]["fit"]
+    assert record["prediction"]["law"] == "chinchilla" and fit["unidentified"]
+    out = capsys.readouterr().out
+    assert f"law chinchilla is not identified by the rungs (its Jacobian's condition number " \
+           f"{fit['condition']:.2g})" in out

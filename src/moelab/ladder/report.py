@@ -231,6 +231,11 @@ def markdown(report: dict[str, Any]) -> str:
         elif fit.get("at_bound"):
             lines.append(f"\n{name}: parameters at a bound (not identified): "
                          f"{', '.join(fit['at_bound'])}")
+        if isinstance(fit, dict) and fit.get("unidentified"):
+            lines.append(f"\n{name}: not identified by the points (its Jacobian's condition "
+                         f"number {fit['condition']:.2g}, over 1e8): a direction of its "
+                         "parameters changes no rung's loss, so its value at the target is set "
+                         "by where the fit stops (as with rungs at two token counts)")
     lines += ["", "Leave-one-compute-level-out backtest (mean |relative error| of the held-out "
               "level's points):", ""]
     for name, levels in report["backtest"].items():

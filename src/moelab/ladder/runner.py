@@ -120,6 +120,11 @@ def preregister(spec: LadderSpec, results: list[RunResult], lr_results: list[Run
                   f"({p['confidence']:.0%}, law {p['law']})", flush=True)
             if p.get("laws_disagree", {}).get("exceeds"):
                 print(f"[ladder {spec.name}] {p['laws_disagree']['note']}", flush=True)
+            fit = ((record.get("laws") or {}).get(p["law"]) or {}).get("fit")
+            if isinstance(fit, dict) and fit.get("unidentified"):
+                print(f"[ladder {spec.name}] note: law {p['law']} is not identified by the "
+                      f"rungs (its Jacobian's condition number {fit['condition']:.2g}): its "
+                      "value at the target is set by where the fit stops", flush=True)
     record = read_preregistration(spec)
     if experiment:
         _register_in_lab(spec, record, experiment)
