@@ -42,7 +42,7 @@ from scipy.stats import norm
 
 from moelab.ladder import predict
 from moelab.ladder.fit import FitError
-from moelab.ladder.overfit import _features, _law, fit_overfit
+from moelab.ladder.overfit import fit_overfit
 from moelab.ladder.predict import compute_levels
 from moelab.ladder.spec import LADDER_PRESETS, spec_from_dict
 
@@ -63,13 +63,10 @@ def refit_noise(n, d, r, y, keep) -> tuple[float, float]:
     miss were the law's form right (delta-method sd of the mean prediction, the points'
     parameter errors taken as fully correlated, plus their residual noise averaged)."""
     fit = fit_overfit(n[keep], d[keep], r[keep], y[keep], CONFIDENCE)
-    theta, cov = fit._theta(), np.array(fit.cov)
+    cov = np.array(fit.cov)
     rel_sd, misses = [], []
     for i in np.where(~keep)[0]:
-        feats = _features(n[i], d[i], r[i], fit.N0, fit.D0, fit.Q0)
-        value = float(_law(theta, feats))
-        grad = np.array([(float(_law(theta + h, feats)) - value) / 1e-6
-                         for h in np.eye(len(theta)) * 1e-6])
+        value, grad = fit._gradient(n[i], d[i], r[i])
         rel_sd.append(math.sqrt(max(float(grad @ cov @ grad), 0.0)) / value)
         misses.append((value - y[i]) / y[i])
     held = int((~keep).sum())

@@ -82,6 +82,17 @@ def _measuring_spec(tmp_path, target_d=64, **fit):
     return spec_from_dict(raw, "measured", tmp_path / "ladder"), passes
 
 
+def _stub_repetition(monkeypatch, target: float, rungs: float) -> None:
+    """runner.preregister's reads of the prepared corpus, stubbed for synthetic rungs: the
+    repetition check passing with the target's and the rungs' most passes over one source,
+    and the corpus's hash."""
+    monkeypatch.setattr(repetition, "check", lambda spec: {
+        "target_max": target, "target": {"prose": target}, "rungs_max": {"prose": rungs},
+        "beyond_rungs": []})
+    monkeypatch.setattr(repetition, "corpus",
+                        lambda spec: {"path": "data", "content_sha256": "c0ffee"})
+
+
 def _true_loss(n, d, r, n0, d0, q0):
     t = TRUE
     return (t["E"] + t["A"] * (n / n0) ** -t["a"] + t["B"] * (d / d0) ** -t["b"]
@@ -247,11 +258,7 @@ def test_a_refused_preregistration_keeps_its_reason_and_rungs(tmp_path, monkeypa
     spec, passes = _measuring_spec(tmp_path)
     monkeypatch.setattr(repetition, "run_passes",
                         lambda rung: [{"cumulative": {"prose": passes[rung.name]}}])
-    monkeypatch.setattr(repetition, "check", lambda spec: {
-        "target_max": 6.0, "target": {"prose": 6.0}, "rungs_max": {"prose": 16.0},
-        "beyond_rungs": []})
-    monkeypatch.setattr(repetition, "corpus",
-                        lambda spec: {"path": "data", "content_sha256": "c0ffee"})
+    _stub_repetition(monkeypatch, 6.0, 16.0)
     results, _ = _measured_results(spec, passes)
     tight = dataclasses.replace(spec, fit=dataclasses.replace(spec.fit, precision=1e-4))
     with pytest.raises(FitError, match="fit.precision") as err:
@@ -453,11 +460,7 @@ def test_rungs_at_two_token_counts_are_refused_before_they_train_and_after(tmp_p
     pin = err.value.detail["fit"]["unpinned_at_target"]
     assert pin["shift"] > 1e-3 and {"E", "B"} <= set(pin["parameters"])
     from moelab.ladder import prereg, runner  # the refusal as `ladder run` keeps it
-    monkeypatch.setattr(repetition, "check", lambda spec: {
-        "target_max": 3.0, "target": {"prose": 3.0}, "rungs_max": {"prose": 4.0},
-        "beyond_rungs": []})
-    monkeypatch.setattr(repetition, "corpus",
-                        lambda spec: {"path": "data", "content_sha256": "c0ffee"})
+    _stub_repetition(monkeypatch, 3.0, 4.0)
     with pytest.raises(FitError):
         runner.preregister(held, results, [])
     readable = (held.out / prereg.REFUSAL_MD).read_text()
@@ -494,11 +497,7 @@ def test_ladder_run_notes_a_preregistered_law_its_rungs_do_not_identify(tmp_path
            "fit": {"bootstrap": 20, "noise_sd": NOISE, "repetition": "none"}}
     spec = spec_from_dict(raw, "flat", tmp_path / "flat")
     passes = {r.name: 1.0 for r in spec.runs()}
-    monkeypatch.setattr(repetition, "check", lambda spec: {
-        "target_max": 1.0, "target": {"prose": 1.0}, "rungs_max": {"prose": 1.0},
-        "beyond_rungs": []})
-    monkeypatch.setattr(repetition, "corpus",
-                        lambda spec: {"path": "data", "content_sha256": "c0ffee"})
+    _stub_repetition(monkeypatch, 1.0, 1.0)
     results, _ = _measured_results(spec, passes)
     record = runner.preregister(spec, results, [])
     fit = record["laws"]["chinchilla"]["fit"]
